@@ -1,0 +1,128 @@
+"""Command line: argparse groups generated from the config dataclasses.
+
+Each section of :class:`RunConfig` becomes one argparse group; each field one flag whose
+help is the field's docstring. Engines never import this module: they take their config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import List, Optional, Sequence
+
+from megatron_ext.config.fields import field_docs
+from megatron_ext.config.run import RunConfig
+from megatron_ext.errors import UsageError
+
+
+def _sections():
+    hints = typing.get_type_hints(RunConfig)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig)]
+
+
+def _base_type(annotation):
+    """int for Optional[int], (list, str) for List[str], ..."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (list, List):
+        return list
+    return annotation
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """Builds the parser of pretrain_gpt.py from the config dataclasses."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Pretrain a GPT on megatron-core (see README.md). Flags with Megatron-LM "
+        "names keep Megatron-LM's meanings.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for section_name, section_cls in _sections():
+        title = (section_cls.__doc__ or section_name).strip().splitlines()[0]
+        group = parser.add_argument_group(f"{section_name}: {title}")
+        docs = field_docs(section_cls)
+        hints = typing.get_type_hints(section_cls)
+        for field in dataclasses.fields(section_cls):
+            meta = field.metadata
+            dest = f"{section_name}.{field.name}"
+            help_text = docs.get(field.name, "")
+            base = _base_type(hints[field.name])
+            default = (field.default if field.default is not dataclasses.MISSING
+                       else field.default_factory())
+            if base is bool:
+                if meta.get("negate"):
+                    group.add_argument(meta["negate"], dest=dest, action="store_false",
+                                       default=default, help=help_text)
+                else:
+                    group.add_argument(_flag(field), dest=dest, action="store_true",
+                                       default=default, help=help_text)
+                continue
+            kwargs = {"dest": dest, "default": default, "help": help_text}
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            if meta.get("metavar") or not meta.get("choices"):
+                kwargs["metavar"] = meta.get("metavar") or field.name.upper()
+            if base is list:
+                kwargs["nargs"] = meta.get("nargs") or "+"
+                kwargs["type"] = str
+            else:
+                kwargs["type"] = meta.get("parse") or base
+            group.add_argument(_flag(field), **kwargs)
+    return parser
+
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
+    """Parses the command line into a :class:`RunConfig`.
+
+    Raises:
+        UsageError: a flag value or a combination of flags is invalid.
+    """
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    values = vars(namespace)
+    sections = {}
+    for section_name, section_cls in _sections():
+        prefix = section_name + "."
+        kwargs = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+        sections[section_name] = section_cls(**kwargs)
+    return RunConfig(**sections)
+
+
+def parse_data_path(items: List[str]) -> List[tuple]:
+    """Splits '--data-path [W1] P1 [W2] P2 ...' into [(weight, prefix), ...].
+
+    Raises:
+        UsageError: weights are given for some prefixes but not all.
+    """
+    def is_number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if not any(is_number(x) for x in items):
+        return [(1.0, p) for p in items]
+    if len(items) % 2 or not all(is_number(w) for w in items[0::2]):
+        raise UsageError("--data-path: give either prefixes only, or a weight before every prefix "
+                         "('0.7 PREFIX_A 0.3 PREFIX_B')")
+    pairs = [(float(w), p) for w, p in zip(items[0::2], items[1::2])]
+    if any(w <= 0 for w, _ in pairs):
+        raise UsageError("--data-path: weights must be positive")
+    return pairs
+
+
+def main_usage_error(err: UsageError) -> int:
+    """Prints a usage error as one line and returns the exit status."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    return UsageError.exit_code

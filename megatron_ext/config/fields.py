@@ -1,0 +1,76 @@
+"""Dataclass field helpers: attribute docstrings and CLI metadata.
+
+Each config field carries its documentation as the string literal written under it
+(as in torchtitan and DeepSpeed's configs). :func:`field_docs` reads those strings from
+the class source, so ``--help`` and the docs come from one place and cannot drift.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from typing import Any, Callable, Optional, Sequence
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    flag: Optional[str] = None,
+    choices: Optional[Sequence[Any]] = None,
+    nargs: Optional[str] = None,
+    metavar: Optional[str] = None,
+    parse: Optional[Callable[[str], Any]] = None,
+    negate: Optional[str] = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """Declares a config field with its command-line spelling.
+
+    Args:
+        default: the default value.
+        flag: the flag name when it is not ``--`` + the field name with dashes.
+        choices: allowed values.
+        nargs: argparse ``nargs`` for list fields.
+        metavar: argparse metavar.
+        parse: converts one command-line string to the field's value.
+        negate: for a boolean that defaults to True, the ``--no-...`` flag that sets it
+            False (Megatron-LM style, e.g. ``--no-load-optim``).
+        default_factory: a factory for mutable defaults.
+    """
+    metadata = {
+        "flag": flag,
+        "choices": choices,
+        "nargs": nargs,
+        "metavar": metavar,
+        "parse": parse,
+        "negate": negate,
+    }
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict:
+    """Returns ``{field name: docstring}`` read from the string under each field."""
+    docs: dict = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return docs

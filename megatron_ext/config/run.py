@@ -1,0 +1,122 @@
+"""The run's config: the sections of every concern, and the checks across them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megatron_ext.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    TrainingConfig,
+)
+from megatron_ext.errors import UsageError
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything a pretraining run is configured with, one section per concern."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def __post_init__(self):
+        self._check_flags()
+
+    def _check_flags(self) -> None:
+        """Checks of flag combinations that need no knowledge of the machine."""
+        data, ckpt = self.data, self.checkpoint
+        if data.mock_data and data.data_path:
+            raise UsageError("--mock-data and --data-path are exclusive; give one of them")
+        if not data.mock_data and not data.data_path:
+            raise UsageError("no training data: give --data-path PREFIX (or --mock-data)")
+        if data.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+            if not data.tokenizer_model:
+                raise UsageError(f"--tokenizer-type {data.tokenizer_type} needs --tokenizer-model")
+            if not os.path.isfile(data.tokenizer_model):
+                raise UsageError(
+                    f"--tokenizer-model {data.tokenizer_model}: file not found; train one with "
+                    "tools/train_tokenizer.py"
+                )
+        elif data.tokenizer_model:
+            raise UsageError("--tokenizer-model needs --tokenizer-type SentencePieceTokenizer")
+        if data.tokenizer_type in (None, "NullTokenizer") and data.vocab_size is None:
+            raise UsageError(
+                "no vocabulary: give --tokenizer-type SentencePieceTokenizer --tokenizer-model "
+                "FILE, or --vocab-size N"
+            )
+        if data.data_path and data.tokenizer_type is None:
+            raise UsageError("--data-path needs --tokenizer-type (and --tokenizer-model)")
+        if ckpt.save_interval and not ckpt.save:
+            raise UsageError("--save-interval needs --save DIR")
+        if ckpt.finetune and not ckpt.load:
+            raise UsageError("--finetune needs --load DIR (the pretrained checkpoint)")
+        opt = self.optimizer
+        if opt.optimizer_cpu_offload and not self.parallel.use_distributed_optimizer:
+            raise UsageError("--optimizer-cpu-offload needs --use-distributed-optimizer")
+        if opt.optimizer_cpu_offload and opt.optimizer != "adam":
+            raise UsageError("--optimizer-cpu-offload supports --optimizer adam only")
+        if self.training.fp16 and opt.optimizer_cpu_offload:
+            raise UsageError("--optimizer-cpu-offload does not support --fp16; use --bf16")
+        model = self.model
+        if model.recompute_granularity == "selective" and model.attention_backend == "sdpa" \
+                and model.transformer_impl == "local":
+            # Selective recompute wraps megatron-core's core attention module; the SDPA
+            # module keeps no score matrix, so there is nothing to recompute.
+            raise UsageError(
+                "--recompute-granularity selective has no effect with the SDPA core attention "
+                "(it keeps no score matrix); use full, or --attention-backend unfused"
+            )
+
+    def check_world(self, world_size: int) -> int:
+        """Checks the parallel layout against the world size; returns the DP size."""
+        par = self.parallel
+        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        if world_size % model_parallel:
+            raise UsageError(
+                f"world size {world_size} is not divisible by tensor-parallel size "
+                f"{par.tensor_model_parallel_size} x pipeline-parallel size "
+                f"{par.pipeline_model_parallel_size}"
+            )
+        dp = world_size // model_parallel
+        tp = par.tensor_model_parallel_size
+        model = self.model
+        if model.num_attention_heads % tp:
+            raise UsageError(
+                f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
+        groups = model.num_query_groups if model.group_query_attention else model.num_attention_heads
+        if groups % tp:
+            raise UsageError(f"--num-query-groups {groups} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}")
+        if model.num_layers % par.pipeline_model_parallel_size:
+            raise UsageError(
+                f"--num-layers {model.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}"
+            )
+        train = self.training
+        per_step = train.micro_batch_size * dp
+        if train.global_batch_size is None:
+            train.global_batch_size = per_step
+        if train.global_batch_size % per_step:
+            raise UsageError(
+                f"--global-batch-size {train.global_batch_size} is not divisible by "
+                f"--micro-batch-size {train.micro_batch_size} x data-parallel size {dp}"
+            )
+        return dp
+
+    def to_dict(self) -> dict:
+        """The config as plain nested dicts (for logging and checkpoints)."""
+        return dataclasses.asdict(self)

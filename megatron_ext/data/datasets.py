@@ -1,0 +1,162 @@
+"""GPT datasets through megatron-core's BlendedMegatronDatasetBuilder, and their loaders."""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megatron_ext.config import parse_data_path
+from megatron_ext.errors import UsageError
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+# Scanning a corpus for its largest token id costs one read of it; past this size only
+# the first part is scanned (the dtype check still covers the rest).
+_MAX_SCAN_BYTES = 1 << 30
+
+
+def check_data_prefix(prefix: str, vocab_size: int) -> None:
+    """Checks that PREFIX.bin/.idx exist, are readable, and fit the tokenizer's vocab.
+
+    Raises:
+        UsageError: a file is missing or unreadable, the index is not megatron-core's
+            format, or the data holds token ids the tokenizer does not have.
+    """
+    from megatron.core.datasets.indexed_dataset import DType
+
+    for suffix in (".idx", ".bin"):
+        path = prefix + suffix
+        if not os.path.isfile(path):
+            raise UsageError(f"--data-path {prefix}: {path} not found (make it with "
+                             "tools/preprocess_data.py; give the prefix without .bin/.idx)")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--data-path {prefix}: {path} is not readable")
+    with open(prefix + ".idx", "rb") as stream:
+        header = stream.read(18)
+        if len(header) < 18 or header[:9] != _IDX_MAGIC:
+            raise UsageError(f"--data-path {prefix}: {prefix}.idx is not a megatron-core index")
+        code = stream.read(1)
+    dtype = np.dtype(DType.dtype_from_code(code[0]))
+    nbytes = os.path.getsize(prefix + ".bin")
+    if nbytes == 0:
+        raise UsageError(f"--data-path {prefix}: {prefix}.bin is empty")
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    count = min(tokens.shape[0], _MAX_SCAN_BYTES // dtype.itemsize)
+    largest = int(tokens[:count].max())
+    if largest >= vocab_size:
+        raise UsageError(
+            f"--data-path {prefix}: token id {largest} is outside the tokenizer's vocabulary "
+            f"of {vocab_size}; preprocess the data with the same --tokenizer-model"
+        )
+
+
+def _dataset_config(cfg, tokenizer, dp_size: int):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    data = cfg.data
+    blend = None
+    if data.data_path:
+        pairs = parse_data_path(data.data_path)
+        prefixes = [p for _, p in pairs]
+        weights = [w for w, _ in pairs] if len(pairs) > 1 else None
+        blend = (prefixes, weights)
+    return GPTDatasetConfig(
+        random_seed=cfg.training.seed,
+        sequence_length=cfg.model.seq_length,
+        blend=blend,
+        split=data.split,
+        path_to_cache=data.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=data.eod_mask_loss,
+        # Attention is causal by construction (SDPA / TE); no dense mask needed.
+        create_attention_mask=False,
+        data_parallel_size=dp_size,
+    )
+
+
+def build_datasets(cfg, runtime, tokenizer) -> Tuple:
+    """Builds (train, valid, test) GPT datasets sized for the run."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    data = cfg.data
+    if data.data_path:
+        for _, prefix in parse_data_path(data.data_path):
+            check_data_prefix(prefix, tokenizer.vocab_size)
+        _check_split(data.split)
+    gbs = cfg.training.global_batch_size
+    eval_samples = cfg.training.eval_iters * gbs
+    sizes = [cfg.training.train_iters * gbs, eval_samples, eval_samples]
+    cls = MockGPTDataset if data.mock_data else GPTDataset
+    config = _dataset_config(cfg, tokenizer, runtime.dp)
+    try:
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            cls, sizes, lambda: True, config).build()
+    except (AssertionError, ValueError) as err:
+        raise UsageError(f"cannot build datasets from --data-path/--split: {err}")
+    if train is None or len(train) == 0:
+        raise UsageError("the training split is empty: give the train part of --split a "
+                         "non-zero share, or more data")
+    return train, valid, test
+
+
+def _check_split(split: str) -> None:
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise UsageError(f"--split {split!r}: expected comma-separated numbers such as 969,30,1")
+    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise UsageError(f"--split {split!r}: give up to three non-negative numbers that do not "
+                         "sum to zero")
+
+
+class PretrainingSampler:
+    """Sequential micro-batches of sample indices for one data-parallel rank.
+
+    Global batches are consecutive runs of ``micro_batch_size * dp_size`` indices; each
+    rank takes its slice. Starting from ``consumed_samples`` makes resume exact.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.total = total_samples
+        self.consumed = consumed_samples
+        self.mbs = micro_batch_size
+        self.rank = dp_rank
+        self.size = dp_size
+
+    def __len__(self) -> int:
+        return max(0, (self.total - self.consumed) // (self.mbs * self.size))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        step = self.mbs * self.size
+        for start in range(self.consumed, self.total - step + 1, step):
+            first = start + self.rank * self.mbs
+            yield list(range(first, first + self.mbs))
+
+
+def build_loader(dataset, consumed_samples: int, cfg, runtime) -> Optional[torch.utils.data.DataLoader]:
+    """A DataLoader over ``dataset`` starting at ``consumed_samples``."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.training.micro_batch_size,
+                                 runtime.dp_rank, runtime.dp)
+    # A generator of its own: DataLoader draws its worker seed at every iter() from the
+    # global generator otherwise, which would shift dropout after a resume or an eval.
+    generator = torch.Generator()
+    generator.manual_seed(cfg.training.seed)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        generator=generator,
+        num_workers=cfg.data.num_workers,
+        pin_memory=not runtime.is_cpu,
+        persistent_workers=cfg.data.num_workers > 0,
+    )

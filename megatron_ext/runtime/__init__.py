@@ -1,0 +1,1 @@
+"""Distributed init, device selection, and megatron-core on the CPU."""

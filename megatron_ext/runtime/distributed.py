@@ -1,0 +1,146 @@
+"""Process-group and parallel-state setup from torchrun's or Slurm's environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+
+from megatron_ext.errors import UsageError
+from megatron_ext.runtime import slurm
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Where this process runs and its place in the parallel layout."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp: int
+    pp: int
+    dp: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank == self.world_size - 1
+
+
+def resolve_device(choice: str) -> torch.device:
+    """Maps --device to a torch device (auto: cuda when a GPU is visible)."""
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise UsageError("--device cuda: no GPU is visible to this process; use --device cpu")
+    if choice == "cuda" or (choice == "auto" and has_cuda):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def read_process_env() -> tuple:
+    """(rank, world size, local rank) from torchrun, srun, or a single process."""
+    from_slurm = slurm.torch_env_from_slurm(os.environ)
+    if from_slurm:
+        os.environ.update(from_slurm)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return rank, world, local
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize(cfg) -> Runtime:
+    """Initializes torch.distributed and megatron-core's parallel state.
+
+    nccl on GPU, gloo on CPU. On the CPU the compatibility layer
+    (:mod:`megatron_ext.runtime.cpu_compat`) is installed first.
+    """
+    rank, world, local = read_process_env()
+    dp = cfg.check_world(world)
+    device = resolve_device(cfg.runtime.device)
+    if device.type == "cpu":
+        from megatron_ext.runtime import cpu_compat
+
+        cpu_compat.install()
+        backend = "gloo"
+        # One intra-op thread per rank when ranks share the machine's cores.
+        if world > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        if torch.cuda.device_count() <= local:
+            raise UsageError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        backend = "nccl"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+        )
+    from megatron.core import parallel_state
+
+    par = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+    )
+    runtime = Runtime(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        device=device,
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        dp=dp,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    set_seed(cfg.training.seed, runtime)
+    return runtime
+
+
+def set_seed(seed: int, runtime: Runtime) -> None:
+    """Seeds every generator as Megatron-LM does (offset per pipeline stage)."""
+    from megatron.core import tensor_parallel
+
+    seed = seed + 100 * runtime.pp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # On the CPU the tracker's fork is a no-op (there is no separate CUDA generator):
+    # dropout inside tensor-parallel regions then draws from the CPU generator.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=runtime.is_cpu,
+                                                    force_reset_rng=True)
+
+
+def shutdown() -> None:
+    """Destroys the process groups (end of run)."""
+    from megatron.core import parallel_state
+
+    if torch.distributed.is_initialized():
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,328 @@
+"""The training loop: megatron-core schedules, DDP, optimizer, scheduler, checkpoints.
+
+The loop never names a training mode: offload and ZenFlow enter through
+:func:`megatron_ext.training.optimizer.build_optimizer` and the optimizer's own methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import sys
+import warnings
+
+import torch
+
+from megatron_ext.errors import UsageError
+from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.metrics import (
+    MetricsWriter,
+    Stopwatch,
+    format_line,
+    maybe_float,
+    memory_stats,
+    num_parameters,
+)
+from megatron_ext.training.signals import ExitSignalHandler
+
+log = logging.getLogger("megatron_ext")
+
+
+def _quiet_optional_dependencies() -> None:
+    """megatron-core warns at import about every optional package it falls back from."""
+    for pattern in (".*Apex is not installed.*", ".*Transformer Engine.*",
+                    ".*transformer_engine.*", ".*nvidia-modelopt.*", ".*flattened_range.*",
+                    ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(message)s", stream=sys.stdout, force=True)
+    logging.getLogger("megatron").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    # Mock datasets have no cache directory; megatron-core warns about it per split.
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Token-summed masked loss, the token count, and both for reporting."""
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _forward_step(device, data_iterator, model):
+    batch = _to_device(next(data_iterator), device)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_loss_func, batch["loss_mask"])
+
+
+def _sum_reports(losses_reduced, device) -> torch.Tensor:
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in losses_reduced:
+        total += report["lm loss"].to(total.dtype)
+    return total
+
+
+def _global_mean(local_sum_count: torch.Tensor) -> float:
+    """Token-weighted mean over the data-parallel ranks of the last pipeline stage.
+
+    Other stages contribute zeros; TP ranks of the last stage contribute equal copies,
+    which leave the ratio unchanged.
+    """
+    total = local_sum_count.clone()
+    torch.distributed.all_reduce(total)
+    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+
+class Trainer:
+    """One run: model, optimizer, data and the loop over iterations."""
+
+    def __init__(self, cfg):
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.timers import Timers
+
+        from megatron_ext.data.datasets import build_datasets, build_loader
+        from megatron_ext.data.tokenizer import build_tokenizer
+        from megatron_ext.model import build_model, padded_vocab_size
+        from megatron_ext.runtime.distributed import initialize
+        from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+
+        self.cfg = cfg
+        self.runtime = rt = initialize(cfg)
+        _setup_logging(rt.rank)
+        self.build_loader = build_loader
+        tokenizer = build_tokenizer(cfg.data)
+        load_dir = ckpt.resolve_load_dir(cfg)
+        self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
+        self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
+                                            cfg.model.make_vocab_size_divisible_by, rt.tp)
+        self.model, self.config = build_model(cfg, rt, self.vocab_size)
+        self.optimizer = build_optimizer(cfg, self.model, rt)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self.timers = Timers(log_level=2, log_option="max")
+        self._wire_megatron_hooks(finalize_model_grads)
+        self.state = ckpt.TrainState()
+        if load_dir:
+            self.state = ckpt.load_checkpoint(load_dir, self.model, self.optimizer,
+                                              self.scheduler, cfg, rt)
+            log.info("loaded %s (iteration %d, %d samples consumed)", load_dir,
+                     self.state.iteration, self.state.consumed_train_samples)
+        self.num_params = num_parameters(cfg, self.vocab_size)
+        self.num_microbatches = cfg.training.global_batch_size // (
+            cfg.training.micro_batch_size * rt.dp)
+        self.writer = MetricsWriter(cfg, rt, enabled=rt.rank == 0)
+        log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d), %.2fM parameters, vocab %d "
+                 "(padded from %d), %d micro-batches per iteration",
+                 rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp, self.num_params / 1e6,
+                 self.vocab_size, tokenizer.vocab_size, self.num_microbatches)
+
+    def _wire_megatron_hooks(self, finalize_model_grads) -> None:
+        """The callbacks megatron-core's schedules expect on the model config."""
+        config, par = self.config, self.cfg.parallel
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.timers = self.timers
+        config.finalize_model_grads_func = finalize_model_grads
+        if par.overlap_grad_reduce:
+            config.no_sync_func = self.model[0].no_sync
+            config.grad_sync_func = self.model[0].start_grad_sync
+        if par.overlap_param_gather:
+            config.param_sync_func = self.model[0].start_param_sync
+
+    def _sync_params_for(self):
+        """Context for eval/save: with overlapped param gather, gather before use."""
+        trainer = self
+
+        class _Ctx:
+            def __enter__(self):
+                if trainer.cfg.parallel.overlap_param_gather:
+                    for chunk in trainer.model:
+                        chunk.disable_forward_pre_hook(param_sync=True)
+
+            def __exit__(self, *exc):
+                if trainer.cfg.parallel.overlap_param_gather:
+                    for chunk in trainer.model:
+                        chunk.enable_forward_pre_hook()
+                return False
+
+        return _Ctx()
+
+    def _synchronize(self) -> None:
+        if not self.runtime.is_cpu:
+            torch.cuda.synchronize()
+
+    def train_step(self, data_iterator):
+        """One iteration: forward/backward over the micro-batches, then the optimizer."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg = self.cfg
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        watch = Stopwatch()
+        losses = get_forward_backward_func()(
+            forward_step_func=functools.partial(_forward_step, self.runtime.device),
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
+            forward_only=False,
+        )
+        self._synchronize()
+        t_fb = watch.lap()
+        ok, grad_norm, _ = self.optimizer.step()
+        self._synchronize()
+        t_opt = watch.lap()
+        if ok:
+            self.scheduler.step(increment=1)
+        return losses, ok, grad_norm, t_fb, t_opt
+
+    def evaluate(self) -> float:
+        """Loss on the first --eval-iters global batches of the validation split."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg = self.cfg
+        loader = self.build_loader(self.valid_ds, 0, cfg, self.runtime)
+        if loader is None or len(loader) < cfg.training.eval_iters * self.num_microbatches:
+            return float("nan")
+        it = iter(loader)
+        total = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
+        for chunk in self.model:
+            chunk.eval()
+        with torch.no_grad(), self._sync_params_for():
+            for _ in range(cfg.training.eval_iters):
+                losses = get_forward_backward_func()(
+                    forward_step_func=functools.partial(_forward_step, self.runtime.device),
+                    data_iterator=it, model=self.model, num_microbatches=self.num_microbatches,
+                    seq_length=cfg.model.seq_length,
+                    micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
+                total += _sum_reports(losses, self.runtime.device)
+        for chunk in self.model:
+            chunk.train()
+        return _global_mean(total)
+
+    def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        watch = Stopwatch()
+        with self._sync_params_for():
+            path = ckpt.save_checkpoint(self.cfg.checkpoint.save, self.state, self.model,
+                                        self.optimizer, self.scheduler, self.cfg, self.runtime)
+        self.last_saved = self.state.iteration
+        log.info("saved checkpoint %s in %.2f s", path, watch.lap())
+
+    def _log(self, interval_loss, iters, t_fb, t_opt, elapsed, grad_norm) -> None:
+        cfg, rt = self.cfg, self.runtime
+        loss = _global_mean(interval_loss)
+        timer = lambda name: self.timers(name).elapsed(reset=True) / iters  # noqa: E731
+        gbs = cfg.training.global_batch_size
+        per_iter = elapsed / iters
+        tokens = gbs * cfg.model.seq_length
+        record = {
+            "iteration": self.state.iteration,
+            "consumed_samples": self.state.consumed_train_samples,
+            "global_batch_size": gbs,
+            "lm_loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": maybe_float(grad_norm),
+            "loss_scale": maybe_float(self.optimizer.get_loss_scale()),
+            "skipped_iterations": self.state.skipped_iterations,
+            "time/iteration_s": per_iter,
+            "time/forward_backward_s": t_fb / iters,
+            "time/forward_s": timer("forward-compute"),
+            "time/backward_s": timer("backward-compute"),
+            "time/grad_sync_s": timer("all-grads-sync"),
+            "time/optimizer_s": t_opt / iters,
+            "throughput/tokens_per_s": tokens / per_iter,
+            "throughput/tflops_per_gpu": 6.0 * self.num_params * tokens / per_iter
+            / rt.world_size / 1e12,
+        }
+        record.update(memory_stats(rt))
+        if rt.rank == 0:
+            print(format_line(record, cfg.training.train_iters), flush=True)
+        self.writer.write(record)
+
+    def train(self) -> int:
+        """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
+        cfg, rt = self.cfg, self.runtime
+        train = cfg.training
+        loader = self.build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
+        data_iterator = iter(loader)
+        self.last_saved = self.state.iteration
+        interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
+        iters = 0
+        t_fb = t_opt = 0.0
+        window = Stopwatch()
+        with ExitSignalHandler() as signals:
+            while self.state.iteration < train.train_iters:
+                losses, ok, grad_norm, fb, opt = self.train_step(data_iterator)
+                self.state.iteration += 1
+                self.state.consumed_train_samples += train.global_batch_size
+                if ok:
+                    self.state.optimizer_steps += 1
+                else:
+                    self.state.skipped_iterations += 1
+                interval_loss += _sum_reports(losses, rt.device)
+                iters += 1
+                t_fb += fb
+                t_opt += opt
+                it = self.state.iteration
+                if it % train.log_interval == 0 or it == train.train_iters:
+                    self._log(interval_loss, iters, t_fb, t_opt, window.lap(), grad_norm)
+                    interval_loss.zero_()
+                    iters, t_fb, t_opt = 0, 0.0, 0.0
+                if train.eval_iters and it % train.eval_interval == 0 and it < train.train_iters:
+                    self._log_eval()
+                    window.lap()
+                ck = cfg.checkpoint
+                if ck.save_interval and it % ck.save_interval == 0:
+                    self.save()
+                    window.lap()
+                if signals.should_exit(rt.device):
+                    log.info("exit signal received: saving at iteration %d and exiting", it)
+                    self.save()
+                    return 0
+                if train.exit_interval and it % train.exit_interval == 0:
+                    log.info("--exit-interval %d reached at iteration %d", train.exit_interval, it)
+                    if self.last_saved != it:
+                        self.save()
+                    return 0
+        if train.eval_iters:
+            self._log_eval()
+        if self.last_saved != self.state.iteration:
+            self.save()
+        return 0
+
+    def _log_eval(self) -> None:
+        loss = self.evaluate()
+        ppl = math.exp(min(20.0, loss)) if not math.isnan(loss) else float("nan")
+        if self.runtime.rank == 0:
+            print(f" validation loss at iteration {self.state.iteration} | lm loss value: "
+                  f"{loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
+        self.writer.write({"iteration": self.state.iteration, "eval/lm_loss": loss,
+                           "eval/lm_ppl": ppl})
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def pretrain(cfg) -> int:
+    """Trains a GPT as configured; returns the process exit status."""
+    from megatron_ext.runtime.distributed import shutdown
+
+    _quiet_optional_dependencies()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+        shutdown()

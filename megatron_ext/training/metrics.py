@@ -1,0 +1,137 @@
+"""The iteration breakdown: one record per logged iteration, to stdout, JSONL and wandb.
+
+Only rank 0 writes. Names carry their units (``time/forward_s``, ``memory/gpu_max_allocated_gib``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Optional
+
+import psutil
+import torch
+
+GIB = 1024**3
+
+
+def num_parameters(cfg, vocab_size: int) -> int:
+    """Parameters of the whole model (all TP/PP ranks), from the config."""
+    m = cfg.model
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    head_dim = h // m.num_attention_heads
+    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    bias = 0 if m.disable_bias_linear else 1
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    qkv_out = h + 2 * groups * head_dim
+    attention = h * qkv_out + bias * qkv_out + h * h + bias * h
+    fc1_out = ffn * (2 if m.swiglu else 1)
+    mlp = h * fc1_out + bias * fc1_out + ffn * h + bias * h
+    layer = attention + mlp + 2 * norm
+    embedding = vocab_size * h
+    if m.position_embedding_type == "learned_absolute":
+        embedding += m.max_position_embeddings * h
+    output = vocab_size * h if m.untie_embeddings_and_output_weights else 0
+    return embedding + m.num_layers * layer + norm + output
+
+
+class MetricsWriter:
+    """Writes the breakdown records (rank 0 only; other ranks hold a disabled writer)."""
+
+    def __init__(self, cfg, runtime, enabled: bool):
+        self.enabled = enabled
+        self.cfg = cfg
+        self._jsonl = None
+        self._wandb = None
+        if not enabled:
+            return
+        path = cfg.logging.metrics_path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._jsonl = open(path, "a", buffering=1)
+        self._init_wandb()
+
+    def _init_wandb(self) -> None:
+        lg = self.cfg.logging
+        if lg.wandb_mode == "disabled" or not lg.wandb_project:
+            return
+        import wandb
+
+        save_dir = lg.wandb_save_dir or (os.path.join(self.cfg.checkpoint.save, "wandb")
+                                         if self.cfg.checkpoint.save else "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        self._wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
+                                 dir=save_dir, mode=lg.wandb_mode, config=self.cfg.to_dict())
+
+    def write(self, record: dict) -> None:
+        """Writes one record to the JSONL file and wandb (not to stdout)."""
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "iteration"},
+                            step=record["iteration"])
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def format_line(record: dict, train_iters: int) -> str:
+    """The Megatron-style stdout line of a training record."""
+    def fmt(key, spec):
+        value = record.get(key)
+        return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) \
+            else format(value, spec)
+
+    parts = [
+        f" iteration {record['iteration']:8d}/{train_iters:8d}",
+        f"consumed samples: {record['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {record['time/iteration_s'] * 1000:.1f}",
+        f"learning rate: {fmt('lr', '.6E')}",
+        f"global batch size: {record['global_batch_size']:5d}",
+        f"lm loss: {fmt('lm_loss', '.6E')}",
+        f"loss scale: {fmt('loss_scale', '.1f')}",
+        f"grad norm: {fmt('grad_norm', '.3f')}",
+        f"number of skipped iterations: {record['skipped_iterations']:3d}",
+        f"tokens/s: {record['throughput/tokens_per_s']:.0f}",
+        f"TFLOP/s/GPU (6N): {record['throughput/tflops_per_gpu']:.1f}",
+    ]
+    breakdown = " ".join(f"{k.split('/')[1][:-2]} {record[k] * 1000:.1f}"
+                         for k in ("time/forward_s", "time/backward_s", "time/grad_sync_s",
+                                   "time/optimizer_s") if k in record)
+    parts.append(f"breakdown (ms): {breakdown}")
+    return " | ".join(parts) + " |"
+
+
+def memory_stats(runtime) -> dict:
+    stats = {"memory/host_rss_gib": psutil.Process().memory_info().rss / GIB}
+    if not runtime.is_cpu:
+        stats["memory/gpu_max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        stats["memory/gpu_max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    return stats
+
+
+class Stopwatch:
+    """Wall-clock seconds since the last reset."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
+
+
+def maybe_float(x) -> Optional[float]:
+    if x is None:
+        return None
+    return float(x.item() if torch.is_tensor(x) else x)

@@ -1,0 +1,89 @@
+"""The optimizer seam: the one place where training modes differ.
+
+:func:`build_optimizer` returns a megatron-core ``MegatronOptimizer``. Today that is
+megatron-core's DistributedOptimizer (or its non-distributed mixed-precision optimizer),
+or megatron-core's own host offload (``--optimizer-cpu-offload``, GPU only). The offload
+engine and ZenFlow enter here as other optimizers; the loop never names them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.errors import UsageError
+
+
+def megatron_optimizer_config(cfg):
+    """megatron-core's OptimizerConfig of the run."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    opt, train = cfg.optimizer, cfg.training
+    return OptimizerConfig(
+        optimizer=opt.optimizer,
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        sgd_momentum=opt.sgd_momentum,
+        clip_grad=opt.clip_grad,
+        bf16=train.bf16,
+        fp16=train.fp16,
+        params_dtype=torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32,
+        loss_scale=train.loss_scale,
+        initial_loss_scale=train.initial_loss_scale,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        optimizer_cpu_offload=opt.optimizer_cpu_offload,
+        optimizer_offload_fraction=opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=opt.overlap_cpu_optimizer_d2h_h2d,
+    )
+
+
+def build_optimizer(cfg, model_chunks, runtime):
+    """Returns the optimizer of the run for this rank's model chunks.
+
+    Raises:
+        UsageError: a mode the device cannot run (megatron-core's host offload on CPU).
+    """
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if cfg.optimizer.optimizer_cpu_offload and runtime.is_cpu:
+        raise UsageError("--optimizer-cpu-offload is megatron-core's GPU-to-host offload and "
+                         "needs a GPU; on the CPU the optimizer states are already in host memory")
+    return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
+
+
+def build_scheduler(cfg, optimizer):
+    """megatron-core's OptimizerParamScheduler, stepped once per iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt, train = cfg.optimizer, cfg.training
+    decay_iters = opt.lr_decay_iters or train.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, opt.lr_warmup_iters + 1),
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=train.train_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=max(1, decay_iters // 10) if opt.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style="linear" if opt.lr_decay_style == "WSD" else None,
+    )
+
+
+def inner_torch_optimizers(optimizer):
+    """The torch optimizers inside a (chained) megatron-core optimizer."""
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    inner = []
+    for opt in chain:
+        torch_opt = getattr(opt, "optimizer", None)
+        if isinstance(torch_opt, torch.optim.Optimizer):
+            inner.append(torch_opt)
+    return inner

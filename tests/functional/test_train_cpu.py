@@ -1,0 +1,67 @@
+"""A tiny GPT trains on the CPU in one process; resume is exact."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from conftest import TINY, launch, read_metrics, run_pretrain, train_losses
+
+
+def test_trains_and_loss_falls(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    run_pretrain([*TINY, "--train-iters", "20", "--metrics-path", str(metrics),
+                  "--use-distributed-optimizer"])
+    losses = train_losses(metrics)
+    assert len(losses) == 20
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+    record = read_metrics(metrics)[-1]
+    for key in ("lr", "grad_norm", "loss_scale", "time/forward_s", "time/backward_s",
+                "time/grad_sync_s", "time/optimizer_s", "throughput/tokens_per_s",
+                "throughput/tflops_per_gpu", "memory/host_rss_gib"):
+        assert key in record, key
+    assert record["time/forward_s"] > 0 and record["time/optimizer_s"] > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_bitwise_exact(tmp_path, precision):
+    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
+    if precision == "bf16":
+        flags.append("--bf16")
+    straight = tmp_path / "straight.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(straight)])
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first.jsonl"
+    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", "10",
+                  "--metrics-path", str(first)])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
+    second = tmp_path / "second.jsonl"
+    run_pretrain([*flags, "--load", str(ckpt), "--save", str(ckpt), "--metrics-path", str(second)])
+    resumed = train_losses(first) + train_losses(second)
+    assert resumed == train_losses(straight)
+
+
+def test_sigterm_saves_and_resume_is_exact(tmp_path):
+    flags = [*TINY, "--train-iters", "30", "--use-distributed-optimizer"]
+    straight = tmp_path / "straight.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(straight)])
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first.jsonl"
+    proc = launch([*flags, "--save", str(ckpt), "--metrics-path", str(first)])
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if first.exists() and len(train_losses(first)) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 5 <= stopped < 30, out
+    assert "exit signal received" in out
+    assert len(train_losses(first)) == stopped
+    second = tmp_path / "second.jsonl"
+    run_pretrain([*flags, "--load", str(ckpt), "--save", str(ckpt), "--metrics-path", str(second)])
+    assert train_losses(first) + train_losses(second) == train_losses(straight)
