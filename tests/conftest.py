@@ -32,8 +32,9 @@ def free_port() -> int:
 
 def test_env(extra: Optional[dict] = None) -> dict:
     env = dict(os.environ)
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": str(ROOT)})
+                "PYTHONPATH": path})
     env.pop("RANK", None)
     env.update(extra or {})
     return env

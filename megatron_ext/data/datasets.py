@@ -29,17 +29,23 @@ def check_data_prefix(prefix: str, vocab_size: int) -> None:
 
     for suffix in (".idx", ".bin"):
         path = prefix + suffix
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise UsageError(f"--data-path {prefix}: {path} is not a regular file")
         if not os.path.isfile(path):
             raise UsageError(f"--data-path {prefix}: {path} not found (make it with "
                              "tools/preprocess_data.py; give the prefix without .bin/.idx)")
         if not os.access(path, os.R_OK):
             raise UsageError(f"--data-path {prefix}: {path} is not readable")
     with open(prefix + ".idx", "rb") as stream:
+        # magic (9 bytes), version (8, little-endian), dtype code (1)
         header = stream.read(18)
-        if len(header) < 18 or header[:9] != _IDX_MAGIC:
-            raise UsageError(f"--data-path {prefix}: {prefix}.idx is not a megatron-core index")
-        code = stream.read(1)
-    dtype = np.dtype(DType.dtype_from_code(code[0]))
+    if len(header) < 18 or header[:9] != _IDX_MAGIC or struct.unpack("<Q", header[9:17])[0] != 1:
+        raise UsageError(f"--data-path {prefix}: {prefix}.idx is not a megatron-core index")
+    try:
+        dtype = np.dtype(DType.dtype_from_code(header[17]))
+    except ValueError:
+        raise UsageError(f"--data-path {prefix}: {prefix}.idx has an unknown token dtype code "
+                         f"{header[17]}")
     nbytes = os.path.getsize(prefix + ".bin")
     if nbytes == 0:
         raise UsageError(f"--data-path {prefix}: {prefix}.bin is empty")

@@ -33,7 +33,7 @@ def _quiet_optional_dependencies() -> None:
     """megatron-core warns at import about every optional package it falls back from."""
     for pattern in (".*Apex is not installed.*", ".*Transformer Engine.*",
                     ".*transformer_engine.*", ".*nvidia-modelopt.*", ".*flattened_range.*",
-                    ".*full scope is deprecated.*"):
+                    ".*full scope is deprecated.*", ".*is not a leaf Tensor is being accessed.*"):
         warnings.filterwarnings("ignore", message=pattern)
 
 

@@ -1,0 +1,92 @@
+"""Each bad input gives one line on stderr, exit status 2, and no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import PRETRAIN, ROOT, test_env
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
+        "--device", "cpu", "--wandb-mode", "disabled", "--eval-iters", "0"]
+MOCK = ["--mock-data", "--vocab-size", "100"]
+
+
+def _write_dataset(prefix, documents):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    for doc in documents:
+        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-input")
+    rng = np.random.default_rng(0)
+    _write_dataset(root / "ok", [rng.integers(0, 100, 40).tolist() for _ in range(50)])
+    _write_dataset(root / "bigvocab", [[1, 2, 500, 3]] * 50)
+    (root / "garbage.idx").write_bytes(b"not an index at all, really")
+    (root / "garbage.bin").write_bytes(b"\x00" * 64)
+    (root / "dirbin.idx").write_bytes((root / "ok.idx").read_bytes())
+    (root / "dirbin.bin").mkdir()
+    (root / "empty_ckpt").mkdir()
+    (root / "fake.model").write_bytes(b"this is not a sentencepiece model")
+    return root
+
+
+def null_data(prefix):
+    return ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+
+
+CASES = {
+    "missing data prefix": (lambda d: null_data(f"{d}/nope"), "nope.idx not found"),
+    "data prefix is not a regular file": (lambda d: null_data(f"{d}/dirbin"),
+                                          "is not a regular file"),
+    "unreadable index": (lambda d: null_data(f"{d}/garbage"), "is not a megatron-core index"),
+    "tokenizer file missing": (
+        lambda d: ["--data-path", f"{d}/ok", "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", f"{d}/missing.model"], "missing.model: file not found"),
+    "tokenizer file not a model": (
+        lambda d: ["--data-path", f"{d}/ok", "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", f"{d}/fake.model"], "not a SentencePiece model"),
+    "data vocab larger than tokenizer": (lambda d: null_data(f"{d}/bigvocab"),
+                                         "token id 500 is outside the tokenizer's vocabulary"),
+    "hidden not divisible by heads": (lambda d: MOCK + ["--num-attention-heads", "5"],
+                                      "--hidden-size 64 is not divisible by --num-attention-heads 5"),
+    "world not divisible by TP x PP": (lambda d: MOCK + ["--tensor-model-parallel-size", "2"],
+                                       "world size 1 is not divisible by tensor-parallel size 2"),
+    "global batch not divisible": (lambda d: MOCK + ["--global-batch-size", "5"],
+                                   "--global-batch-size 5 is not divisible by --micro-batch-size 2"),
+    "load without checkpoint": (lambda d: MOCK + ["--load", f"{d}/empty_ckpt"],
+                                "no checkpoint there"),
+    "bf16 and fp16": (lambda d: MOCK + ["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
+    "mock and data path": (lambda d: MOCK + ["--data-path", f"{d}/ok"], "are exclusive"),
+    "no data": (lambda d: ["--vocab-size", "100"], "no training data"),
+    "param gather without distributed optimizer": (
+        lambda d: MOCK + ["--overlap-param-gather"], "needs --use-distributed-optimizer"),
+    "megatron host offload on cpu": (
+        lambda d: MOCK + ["--optimizer-cpu-offload", "--use-distributed-optimizer"],
+        "needs a GPU"),
+    "bad split": (lambda d: null_data(f"{d}/ok") + ["--split", "a,b"], "--split 'a,b'"),
+    "finetune without load": (lambda d: MOCK + ["--finetune"], "--finetune needs --load"),
+    "negative lr": (lambda d: MOCK + ["--lr", "-1"], "--lr must be positive"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gives_one_line(data, case):
+    make_args, expected = CASES[case]
+    proc = subprocess.run([sys.executable, PRETRAIN, *BASE, *make_args(data)], cwd=ROOT,
+                          env=test_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: "), proc.stderr
+    assert expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr

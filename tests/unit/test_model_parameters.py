@@ -1,0 +1,41 @@
+"""The parameter count used for TFLOP/s (6N) equals the model megatron-core builds."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_ext.config import parse_config
+from megatron_ext.runtime import distributed
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
+    from conftest import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    cfg = parse_config(["--mock-data", "--vocab-size", "100", "--device", "cpu"])
+    rt = distributed.initialize(cfg)
+    yield rt
+    distributed.shutdown()
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+     "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+     "--group-query-attention", "--num-query-groups", "2"],
+])
+def test_num_parameters_matches_model(runtime, args):
+    from megatron_ext.model import build_model
+    from megatron_ext.model.build import count_parameters
+    from megatron_ext.training.metrics import num_parameters
+
+    cfg = parse_config(["--mock-data", "--vocab-size", "100", "--device", "cpu",
+                        "--hidden-size", "64", "--num-attention-heads", "4", *args])
+    cfg.check_world(1)
+    model, _ = build_model(cfg, runtime, 128)
+    assert num_parameters(cfg, 128) == count_parameters(model)
+    assert torch.isfinite(next(model[0].parameters())).all()
