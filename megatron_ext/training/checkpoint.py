@@ -169,7 +169,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(tmp)
     torch.distributed.barrier()
     state = _sharded_state(model_chunks, optimizer, is_loading=False, with_optimizer=True)
     state.update({
@@ -180,6 +180,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         "world_size": runtime.world_size,
     })
     dist_checkpointing.save(state, tmp, content_metadata=dict(_SHARDING))
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(runtime), os.path.join(tmp, "rng", f"rank_{runtime.rank:05d}.pt"))
     torch.distributed.barrier()
     if rank0:

@@ -33,8 +33,10 @@ def _quiet_optional_dependencies() -> None:
     """megatron-core warns at import about every optional package it falls back from."""
     for pattern in (".*Apex is not installed.*", ".*Transformer Engine.*",
                     ".*transformer_engine.*", ".*nvidia-modelopt.*", ".*flattened_range.*",
-                    ".*full scope is deprecated.*", ".*is not a leaf Tensor is being accessed.*"):
+                    ".*full scope is deprecated.*", ".*is not a leaf Tensor is being accessed.*",
+                    r".*`torch\.distributed\.\w+` is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 def _setup_logging(rank: int) -> None:
