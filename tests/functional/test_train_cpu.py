@@ -65,3 +65,43 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path):
     second = tmp_path / "second.jsonl"
     run_pretrain([*flags, "--load", str(ckpt), "--save", str(ckpt), "--metrics-path", str(second)])
     assert train_losses(first) + train_losses(second) == train_losses(straight)
+
+
+def test_fp16_resume_restores_loss_scale(tmp_path):
+    flags = [*TINY, "--train-iters", "12", "--use-distributed-optimizer", "--fp16",
+             "--initial-loss-scale", "1048576"]
+    straight = tmp_path / "s.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(straight)])
+    ckpt = tmp_path / "ckpt"
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", "4", "--metrics-path", str(first)])
+    run_pretrain([*flags, "--load", str(ckpt), "--metrics-path", str(second)])
+    keys = ("lm_loss", "loss_scale", "skipped_iterations", "lr")
+    resumed = [[r[k] for k in keys] for r in read_metrics(first) + read_metrics(second)]
+    assert resumed == [[r[k] for k in keys] for r in read_metrics(straight)]
+    # The scaler moved during the run, so restoring it is actually tested.
+    assert len({r["loss_scale"] for r in read_metrics(straight)}) > 1
+
+
+@pytest.mark.parametrize("mode", ["--finetune", "--no-load-optim"])
+def test_weights_only_loads(tmp_path, mode):
+    flags = [*TINY, "--use-distributed-optimizer", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]
+    ckpt = tmp_path / "ckpt"
+    pre = tmp_path / "pre.jsonl"
+    run_pretrain([*flags, "--train-iters", "10", "--save", str(ckpt), "--metrics-path", str(pre)])
+    scratch = tmp_path / "scratch.jsonl"
+    run_pretrain([*flags, "--train-iters", "3", "--metrics-path", str(scratch)])
+    tuned = tmp_path / "tuned.jsonl"
+    iters = "3" if mode == "--finetune" else "13"
+    run_pretrain([*flags, "--train-iters", iters, "--load", str(ckpt), mode,
+                  "--metrics-path", str(tuned)])
+    records = read_metrics(tuned)
+    if mode == "--finetune":
+        assert [r["iteration"] for r in records] == [1, 2, 3]
+        assert records[0]["consumed_samples"] == 4
+    else:
+        assert [r["iteration"] for r in records] == [11, 12, 13]
+    # The loaded weights are the trained ones: the first loss is far below a fresh model's.
+    assert records[0]["lm_loss"] < train_losses(scratch)[0] - 0.3
+    assert records[0]["lm_loss"] == pytest.approx(train_losses(pre)[-1], abs=0.5)
