@@ -11,6 +11,10 @@ LAYOUTS = {
     "dp2-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce",
                     "--overlap-param-gather", "--global-batch-size", "16"],
     "tp2": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+    "tp2-llama": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                  "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                  "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                  "--group-query-attention", "--num-query-groups", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
             "--use-distributed-optimizer"],
 }

@@ -43,7 +43,8 @@ def test_resume_is_bitwise_exact(tmp_path, precision):
     assert resumed == train_losses(straight)
 
 
-def test_sigterm_saves_and_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_exit_signal_saves_and_resume_is_exact(tmp_path, signum):
     flags = [*TINY, "--train-iters", "30", "--use-distributed-optimizer"]
     straight = tmp_path / "straight.jsonl"
     run_pretrain([*flags, "--metrics-path", str(straight)])
@@ -55,7 +56,7 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path):
         if first.exists() and len(train_losses(first)) >= 5:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
