@@ -14,6 +14,7 @@ def _rank() -> int:
 
 
 def main(argv=None) -> int:
+    """Parses the flags and trains; returns the exit status (2 for bad input)."""
     from megatron_ext.config import parse_config
     from megatron_ext.errors import UsageError
 

@@ -37,6 +37,7 @@ REFERENCE = [
 
 
 def run_once(args, iters: int, extra) -> list:
+    """Runs pretrain_gpt.py once; returns its training records."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *args, "--train-iters", str(iters),
@@ -49,11 +50,13 @@ def run_once(args, iters: int, extra) -> list:
 
 
 def summarize(values):
+    """Min / median / mean / max / n of a list of numbers."""
     return {"min": min(values), "median": statistics.median(values),
             "mean": statistics.fmean(values), "max": max(values), "n": len(values)}
 
 
 def main() -> int:
+    """Runs the repetitions and writes the results JSON."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=25, help="iterations per repetition")
@@ -61,14 +64,15 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="fresh processes")
     p.add_argument("--tiny", action="store_true", help="a small model (for a CPU smoke run)")
     p.add_argument("--label", default="no-offload", help="name of this configuration")
-    p.add_argument("--output", help="JSON results path (default bench/results/pretrain_<label>_<date>.json)")
+    p.add_argument("--output", help="JSON results path "
+                   "(default bench/results/pretrain_<label>_<date>.json)")
     p.add_argument("--deepspeed-bundle", help="also run the DeepSpeed peer bundle's GPT benchmark "
                    "(folder holding zero_infinity_bench.py, set up with setup_on_gpu.sh)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     a = p.parse_args()
     args = list(REFERENCE)
     if a.tiny:
-        args = [*args[:0], "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+        args = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
                 "--seq-length", "128", "--micro-batch-size", "4", "--mock-data", "--vocab-size",
                 "1000", "--log-interval", "1", "--eval-iters", "0", "--wandb-mode", "disabled",
                 "--use-distributed-optimizer"]
@@ -115,8 +119,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     s = result["step_s"]
-    print(f"| config | step s (min/median/mean/max) | fwd s | bwd s | opt s | TFLOP/s (6N) | GPU GiB |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| config | step s (min/median/mean/max) | fwd s | bwd s | opt s | TFLOP/s (6N) "
+          "| GPU GiB |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| megatron_ext {a.label} | {s['min']:.4f} / {s['median']:.4f} / {s['mean']:.4f} / "
           f"{s['max']:.4f} | {result['forward_s']['median']:.4f} | "
           f"{result['backward_s']['median']:.4f} | {result['optimizer_s']['median']:.4f} | "

@@ -35,7 +35,9 @@ def test_env(extra: Optional[dict] = None) -> dict:
     path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": path})
-    env.pop("RANK", None)
+    # A test process that initialized torch.distributed itself must not leak its layout.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
     env.update(extra or {})
     return env
 
@@ -81,3 +83,41 @@ def train_losses(path) -> List[float]:
 @pytest.fixture
 def tiny_args():
     return list(TINY)
+
+
+def precision_flags(precision: str) -> List[str]:
+    return {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision]
+
+
+def straight_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: int = 1,
+                         load_flags: Sequence[str] = ()) -> tuple:
+    """Runs ``flags`` straight, and again stopped by --exit-interval ``stop_at`` + --load.
+
+    Returns:
+        (records of the straight run, records of the stopped run followed by the resumed one)
+    """
+    straight = tmp_path / "straight.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(straight)], nproc=nproc)
+    ckpt = tmp_path / "ckpt"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", str(stop_at),
+                  "--metrics-path", str(first)], nproc=nproc)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(stop_at)
+    run_pretrain([*flags, "--load", str(ckpt), *load_flags, "--metrics-path", str(second)],
+                 nproc=nproc)
+    return read_metrics(straight), read_metrics(first) + read_metrics(second)
+
+
+def losses_of(records) -> List[float]:
+    return [r["lm_loss"] for r in records if "lm_loss" in r]
+
+
+def write_indexed_dataset(prefix, documents) -> None:
+    """Writes megatron-core PREFIX.bin/.idx (uint16 tokens) holding ``documents``."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    for doc in documents:
+        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")

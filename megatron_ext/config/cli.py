@@ -23,7 +23,7 @@ def _sections():
 
 
 def _base_type(annotation):
-    """int for Optional[int], (list, str) for List[str], ..."""
+    """Int for Optional[int], (list, str) for List[str], ..."""
     origin = typing.get_origin(annotation)
     if origin is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]

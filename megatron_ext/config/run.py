@@ -97,7 +97,8 @@ class RunConfig:
                 f"--num-attention-heads {model.num_attention_heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}"
             )
-        groups = model.num_query_groups if model.group_query_attention else model.num_attention_heads
+        groups = (model.num_query_groups if model.group_query_attention
+                  else model.num_attention_heads)
         if groups % tp:
             raise UsageError(f"--num-query-groups {groups} is not divisible by "
                              f"--tensor-model-parallel-size {tp}")

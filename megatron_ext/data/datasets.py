@@ -148,7 +148,8 @@ class PretrainingSampler:
             yield list(range(first, first + self.mbs))
 
 
-def build_loader(dataset, consumed_samples: int, cfg, runtime) -> Optional[torch.utils.data.DataLoader]:
+def build_loader(dataset, consumed_samples: int, cfg,
+                 runtime) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader over ``dataset`` starting at ``consumed_samples``."""
     if dataset is None or len(dataset) == 0:
         return None

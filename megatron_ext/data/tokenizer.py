@@ -34,9 +34,11 @@ class SentencePieceTokenizer:
                              "train it with tools/train_tokenizer.py (which adds </s>)")
 
     def tokenize(self, text: str) -> List[int]:
+        """Token ids of ``text``."""
         return self._sp.encode(text)
 
     def detokenize(self, ids: List[int]) -> str:
+        """Text of token ids."""
         return self._sp.decode(list(ids))
 
 
@@ -49,9 +51,11 @@ class NullTokenizer:
         self.unique_identifiers = {"class": type(self).__name__, "vocab_size": self.vocab_size}
 
     def tokenize(self, text: str) -> List[int]:
+        """Whitespace-separated integers as ids."""
         return [int(x) for x in text.split()]
 
     def detokenize(self, ids: List[int]) -> str:
+        """Ids as whitespace-separated integers."""
         return " ".join(str(i) for i in ids)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -35,7 +34,7 @@ class SDPAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
+        """Query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
         assert packed_seq_params is None and attention_bias is None
         sq, batch = query.shape[0], query.shape[1]
         # [s, b, heads, hn] -> [b, heads, s, hn]

@@ -31,10 +31,12 @@ class Runtime:
 
     @property
     def is_cpu(self) -> bool:
+        """Whether the run trains on the CPU."""
         return self.device.type == "cpu"
 
     @property
     def is_last_rank(self) -> bool:
+        """Whether this is the highest global rank."""
         return self.rank == self.world_size - 1
 
 

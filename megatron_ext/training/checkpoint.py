@@ -45,6 +45,7 @@ class TrainState:
 
 
 def checkpoint_name(root: str, iteration: int) -> str:
+    """The folder of the checkpoint of ``iteration`` under ``root``."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 

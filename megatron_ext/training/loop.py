@@ -14,7 +14,6 @@ import warnings
 
 import torch
 
-from megatron_ext.errors import UsageError
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import (
     MetricsWriter,
@@ -213,6 +212,7 @@ class Trainer:
         return _global_mean(total)
 
     def save(self) -> None:
+        """Saves a checkpoint of the current iteration (when --save is given)."""
         if not self.cfg.checkpoint.save:
             return
         watch = Stopwatch()
@@ -314,6 +314,7 @@ class Trainer:
                            "eval/lm_ppl": ppl})
 
     def close(self) -> None:
+        """Closes the metrics writers."""
         self.writer.close()
 
 

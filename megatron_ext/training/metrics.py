@@ -76,6 +76,7 @@ class MetricsWriter:
                             step=record["iteration"])
 
     def close(self) -> None:
+        """Closes the JSONL file and finishes the wandb run."""
         if self._jsonl:
             self._jsonl.close()
             self._jsonl = None
@@ -112,6 +113,7 @@ def format_line(record: dict, train_iters: int) -> str:
 
 
 def memory_stats(runtime) -> dict:
+    """Host resident memory and, on GPU, the peak allocated/reserved device memory."""
     stats = {"memory/host_rss_gib": psutil.Process().memory_info().rss / GIB}
     if not runtime.is_cpu:
         stats["memory/gpu_max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -126,12 +128,14 @@ class Stopwatch:
         self.start = time.perf_counter()
 
     def lap(self) -> float:
+        """Seconds since the last lap (or creation); starts the next lap."""
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
         return elapsed
 
 
 def maybe_float(x) -> Optional[float]:
+    """A Python float of a number or one-element tensor; None stays None."""
     if x is None:
         return None
     return float(x.item() if torch.is_tensor(x) else x)

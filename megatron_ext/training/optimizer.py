@@ -30,13 +30,15 @@ def megatron_optimizer_config(cfg):
         clip_grad=opt.clip_grad,
         bf16=train.bf16,
         fp16=train.fp16,
-        params_dtype=torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32,
+        params_dtype=(torch.bfloat16 if train.bf16 else torch.float16 if train.fp16
+                      else torch.float32),
         loss_scale=train.loss_scale,
         initial_loss_scale=train.initial_loss_scale,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         optimizer_cpu_offload=opt.optimizer_cpu_offload,
-        optimizer_offload_fraction=opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0,
+        optimizer_offload_fraction=(opt.optimizer_offload_fraction if opt.optimizer_cpu_offload
+                                    else 0.0),
         overlap_cpu_optimizer_d2h_h2d=opt.overlap_cpu_optimizer_d2h_h2d,
     )
 

@@ -35,6 +35,7 @@ class ExitSignalHandler:
         self.received = signum
 
     def should_exit(self, device) -> bool:
+        """True on every rank when any rank received an exit signal (a collective)."""
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32,
                             device=device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY, run_pretrain, train_losses
+from conftest import (
+    TINY,
+    losses_of,
+    precision_flags,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
 
 LAYOUTS = {
     "dp2": ["--use-distributed-optimizer"],
@@ -33,15 +40,7 @@ def test_two_ranks_train_and_loss_falls(tmp_path, layout):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_bitwise_exact_at_world_size_2(tmp_path, precision):
-    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
-    if precision == "bf16":
-        flags.append("--bf16")
-    straight = tmp_path / "straight.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(straight)], nproc=2)
-    ckpt = tmp_path / "ckpt"
-    first = tmp_path / "first.jsonl"
-    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", "10",
-                  "--metrics-path", str(first)], nproc=2)
-    second = tmp_path / "second.jsonl"
-    run_pretrain([*flags, "--load", str(ckpt), "--metrics-path", str(second)], nproc=2)
-    assert train_losses(first) + train_losses(second) == train_losses(straight)
+    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
+             *precision_flags(precision)]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, nproc=2)
+    assert losses_of(resumed) == losses_of(straight)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PRETRAIN, ROOT, test_env
+from conftest import PRETRAIN, ROOT, test_env, write_indexed_dataset
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
@@ -16,21 +16,12 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 MOCK = ["--mock-data", "--vocab-size", "100"]
 
 
-def _write_dataset(prefix, documents):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
-    for doc in documents:
-        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
-    builder.finalize(str(prefix) + ".idx")
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     rng = np.random.default_rng(0)
-    _write_dataset(root / "ok", [rng.integers(0, 100, 40).tolist() for _ in range(50)])
-    _write_dataset(root / "bigvocab", [[1, 2, 500, 3]] * 50)
+    write_indexed_dataset(root / "ok", [rng.integers(0, 100, 40).tolist() for _ in range(50)])
+    write_indexed_dataset(root / "bigvocab", [[1, 2, 500, 3]] * 50)
     (root / "garbage.idx").write_bytes(b"not an index at all, really")
     (root / "garbage.bin").write_bytes(b"\x00" * 64)
     (root / "dirbin.idx").write_bytes((root / "ok.idx").read_bytes())
@@ -57,12 +48,14 @@ CASES = {
                    "--tokenizer-model", f"{d}/fake.model"], "not a SentencePiece model"),
     "data vocab larger than tokenizer": (lambda d: null_data(f"{d}/bigvocab"),
                                          "token id 500 is outside the tokenizer's vocabulary"),
-    "hidden not divisible by heads": (lambda d: MOCK + ["--num-attention-heads", "5"],
-                                      "--hidden-size 64 is not divisible by --num-attention-heads 5"),
+    "hidden not divisible by heads": (
+        lambda d: MOCK + ["--num-attention-heads", "5"],
+        "--hidden-size 64 is not divisible by --num-attention-heads 5"),
     "world not divisible by TP x PP": (lambda d: MOCK + ["--tensor-model-parallel-size", "2"],
                                        "world size 1 is not divisible by tensor-parallel size 2"),
-    "global batch not divisible": (lambda d: MOCK + ["--global-batch-size", "5"],
-                                   "--global-batch-size 5 is not divisible by --micro-batch-size 2"),
+    "global batch not divisible": (
+        lambda d: MOCK + ["--global-batch-size", "5"],
+        "--global-batch-size 5 is not divisible by --micro-batch-size 2"),
     "load without checkpoint": (lambda d: MOCK + ["--load", f"{d}/empty_ckpt"],
                                 "no checkpoint there"),
     "bf16 and fp16": (lambda d: MOCK + ["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),

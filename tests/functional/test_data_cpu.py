@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import TINY, read_metrics, run_pretrain
-
-
-def _write_dataset(prefix, documents):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
-    for doc in documents:
-        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
-    builder.finalize(str(prefix) + ".idx")
+from conftest import TINY, read_metrics, run_pretrain, write_indexed_dataset
 
 
 def test_weighted_blend_trains_and_evaluates(tmp_path):
@@ -21,8 +12,8 @@ def test_weighted_blend_trains_and_evaluates(tmp_path):
     # Two corpora with learnable structure: counting up (a) and counting down (b).
     a = [list(range(s, s + 60)) for s in rng.integers(0, 40, 200)]
     b = [list(range(s + 60, s, -1)) for s in rng.integers(0, 40, 200)]
-    _write_dataset(tmp_path / "a_text_document", a)
-    _write_dataset(tmp_path / "b_text_document", b)
+    write_indexed_dataset(tmp_path / "a_text_document", a)
+    write_indexed_dataset(tmp_path / "b_text_document", b)
     args = [a for a in TINY if a not in ("--mock-data",)]
     i = args.index("--vocab-size")
     del args[i:i + 2]

@@ -14,7 +14,7 @@ import platform
 
 import pytest
 
-from conftest import ROOT, TINY, run_pretrain, train_losses
+from conftest import ROOT, TINY, precision_flags, run_pretrain, train_losses
 
 GOLDEN_DIR = ROOT / "tests" / "functional" / "golden"
 # Different CPUs (vector widths) reorder float sums; bf16 amplifies that over 20 steps.
@@ -23,9 +23,8 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3}
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_loss_curve_matches_golden(tmp_path, precision):
-    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
-    if precision == "bf16":
-        flags.append("--bf16")
+    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
+             *precision_flags(precision)]
     metrics = tmp_path / "m.jsonl"
     run_pretrain([*flags, "--metrics-path", str(metrics)])
     losses = train_losses(metrics)

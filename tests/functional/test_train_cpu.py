@@ -7,7 +7,16 @@ import time
 
 import pytest
 
-from conftest import TINY, launch, read_metrics, run_pretrain, train_losses
+from conftest import (
+    TINY,
+    launch,
+    losses_of,
+    precision_flags,
+    read_metrics,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
 
 
 def test_trains_and_loss_falls(tmp_path):
@@ -27,20 +36,11 @@ def test_trains_and_loss_falls(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_bitwise_exact(tmp_path, precision):
-    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
-    if precision == "bf16":
-        flags.append("--bf16")
-    straight = tmp_path / "straight.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(straight)])
-    ckpt = tmp_path / "ckpt"
-    first = tmp_path / "first.jsonl"
-    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", "10",
-                  "--metrics-path", str(first)])
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
-    second = tmp_path / "second.jsonl"
-    run_pretrain([*flags, "--load", str(ckpt), "--save", str(ckpt), "--metrics-path", str(second)])
-    resumed = train_losses(first) + train_losses(second)
-    assert resumed == train_losses(straight)
+    flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
+             *precision_flags(precision)]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10,
+                                             load_flags=["--save", str(tmp_path / "ckpt")])
+    assert losses_of(resumed) == losses_of(straight)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
@@ -71,17 +71,11 @@ def test_exit_signal_saves_and_resume_is_exact(tmp_path, signum):
 def test_fp16_resume_restores_loss_scale(tmp_path):
     flags = [*TINY, "--train-iters", "12", "--use-distributed-optimizer", "--fp16",
              "--initial-loss-scale", "1048576"]
-    straight = tmp_path / "s.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(straight)])
-    ckpt = tmp_path / "ckpt"
-    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", "4", "--metrics-path", str(first)])
-    run_pretrain([*flags, "--load", str(ckpt), "--metrics-path", str(second)])
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=4)
     keys = ("lm_loss", "loss_scale", "skipped_iterations", "lr")
-    resumed = [[r[k] for k in keys] for r in read_metrics(first) + read_metrics(second)]
-    assert resumed == [[r[k] for k in keys] for r in read_metrics(straight)]
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight]
     # The scaler moved during the run, so restoring it is actually tested.
-    assert len({r["loss_scale"] for r in read_metrics(straight)}) > 1
+    assert len({r["loss_scale"] for r in straight}) > 1
 
 
 @pytest.mark.parametrize("mode", ["--finetune", "--no-load-optim"])

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run_pretrain, train_losses
+from conftest import (
+    TINY,
+    losses_of,
+    precision_flags,
+    read_metrics,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
@@ -40,17 +48,10 @@ def test_sdpa_matches_unfused_attention_on_cuda(tmp_path):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_matches_on_cuda(tmp_path, precision):
     """GPU kernels may reorder sums between processes: equal within a tight tolerance."""
-    flags = [*GPU_TINY, "--train-iters", "16", "--use-distributed-optimizer"]
-    if precision == "bf16":
-        flags.append("--bf16")
-    straight = tmp_path / "s.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(straight)])
-    ckpt = tmp_path / "ckpt"
-    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", "8", "--metrics-path", str(first)])
-    run_pretrain([*flags, "--load", str(ckpt), "--metrics-path", str(second)])
-    resumed = train_losses(first) + train_losses(second)
-    assert resumed == pytest.approx(train_losses(straight), rel=1e-4)
+    flags = [*GPU_TINY, "--train-iters", "16", "--use-distributed-optimizer",
+             *precision_flags(precision)]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=8)
+    assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)
 
 
 def test_megatron_host_offload_runs_on_cuda(tmp_path):

@@ -11,15 +11,22 @@ from megatron_ext.runtime import distributed
 
 @pytest.fixture(scope="module")
 def runtime():
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0"})
     from conftest import free_port
 
-    os.environ["MASTER_PORT"] = str(free_port())
+    layout = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+              "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in layout}
+    os.environ.update(layout)
     cfg = parse_config(["--mock-data", "--vocab-size", "100", "--device", "cpu"])
-    rt = distributed.initialize(cfg)
-    yield rt
-    distributed.shutdown()
+    try:
+        yield distributed.initialize(cfg)
+    finally:
+        distributed.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.mark.parametrize("args", [
