@@ -199,6 +199,8 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         for chunk in self.model:
             chunk.eval()
+        # The schedule's forward timers belong to training: evaluation must not add to them.
+        timers, self.config.timers = self.config.timers, None
         with torch.no_grad(), self._sync_params_for():
             for _ in range(cfg.training.eval_iters):
                 losses = get_forward_backward_func()(
@@ -207,6 +209,7 @@ class Trainer:
                     seq_length=cfg.model.seq_length,
                     micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
                 total += _sum_reports(losses, self.runtime.device)
+        self.config.timers = timers
         for chunk in self.model:
             chunk.train()
         return _global_mean(total)

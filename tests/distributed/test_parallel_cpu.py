@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import (
+from mext_testing import (
     TINY,
     losses_of,
     precision_flags,

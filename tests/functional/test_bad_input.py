@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PRETRAIN, ROOT, test_env, write_indexed_dataset
+from mext_testing import PRETRAIN, ROOT, test_env, write_indexed_dataset
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",

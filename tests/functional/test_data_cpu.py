@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import TINY, read_metrics, run_pretrain, write_indexed_dataset
+from mext_testing import TINY, read_metrics, run_pretrain, write_indexed_dataset
 
 
 def test_weighted_blend_trains_and_evaluates(tmp_path):
@@ -33,5 +33,9 @@ def test_weighted_blend_trains_and_evaluates(tmp_path):
     assert [r["iteration"] for r in evals] == [10, 20]
     assert evals[1]["eval/lm_loss"] < evals[0]["eval/lm_loss"]
     assert train[-1]["lm_loss"] < 0.7 * train[0]["lm_loss"]
+    # The breakdown of each iteration fits in it (evaluation is not counted as training).
+    for r in train:
+        parts = r["time/forward_s"] + r["time/backward_s"] + r["time/optimizer_s"]
+        assert parts <= 1.05 * r["time/iteration_s"] + 1e-3, r
     # megatron-core built its blend and split caches where we asked.
     assert any((tmp_path / "cache").iterdir())

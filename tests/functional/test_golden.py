@@ -14,7 +14,7 @@ import platform
 
 import pytest
 
-from conftest import ROOT, TINY, precision_flags, run_pretrain, train_losses
+from mext_testing import ROOT, TINY, precision_flags, run_pretrain, train_losses
 
 GOLDEN_DIR = ROOT / "tests" / "functional" / "golden"
 # Different CPUs (vector widths) reorder float sums; bf16 amplifies that over 20 steps.

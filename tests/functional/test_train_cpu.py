@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import (
+from mext_testing import (
     TINY,
     launch,
     losses_of,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (
+from mext_testing import (
     TINY,
     losses_of,
     precision_flags,

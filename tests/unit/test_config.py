@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from conftest import PRETRAIN, ROOT, test_env
 from megatron_ext.config import build_parser, parse_config, parse_data_path
 from megatron_ext.errors import UsageError
 from megatron_ext.model.build import padded_vocab_size
+from mext_testing import PRETRAIN, ROOT, test_env
 
 # The Megatron-LM flags of the CLI contract (../shared/DESIGN.md) and this project's.
 CONTRACT = """--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length

@@ -11,7 +11,7 @@ from megatron_ext.runtime import distributed
 
 @pytest.fixture(scope="module")
 def runtime():
-    from conftest import free_port
+    from mext_testing import free_port
 
     layout = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
               "WORLD_SIZE": "1", "LOCAL_RANK": "0"}

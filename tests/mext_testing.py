@@ -1,0 +1,120 @@
+"""Shared helpers of the test suite: run pretrain_gpt.py as real processes.
+
+A module of its own (not conftest.py): several conftest.py files would all be the
+top-level module ``conftest``, and an import of one would find another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+PRETRAIN = str(ROOT / "pretrain_gpt.py")
+
+# A tiny GPT on megatron-core's mock data: 2 layers, hidden 64, sequence 32.
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "4", "--mock-data", "--vocab-size", "250",
+    "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
+    "--eval-iters", "0", "--device", "cpu", "--wandb-mode", "disabled", "--seed", "1234",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": path})
+    # A test process that initialized torch.distributed itself must not leak its layout.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(extra or {})
+    return env
+
+
+def launch(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
+           **popen_kwargs) -> subprocess.Popen:
+    """Starts pretrain_gpt.py (through torchrun when nproc > 1)."""
+    if nproc == 1:
+        cmd = [sys.executable, PRETRAIN, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), PRETRAIN, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=test_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen_kwargs)
+
+
+def run_pretrain(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
+                 timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    proc = launch(args, nproc=nproc, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"pretrain_gpt.py timed out after {timeout} s:\n{out[-4000:]}")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain_gpt.py exited {proc.returncode}:\n{out[-6000:]}")
+    return result
+
+
+def read_metrics(path) -> List[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(path) -> List[float]:
+    """lm loss of each logged training iteration (log interval 1), in order."""
+    return [r["lm_loss"] for r in read_metrics(path) if "lm_loss" in r]
+
+
+def precision_flags(precision: str) -> List[str]:
+    return {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision]
+
+
+def straight_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: int = 1,
+                         load_flags: Sequence[str] = ()) -> tuple:
+    """Runs ``flags`` straight, and again stopped by --exit-interval ``stop_at`` + --load.
+
+    Returns:
+        (records of the straight run, records of the stopped run followed by the resumed one)
+    """
+    straight = tmp_path / "straight.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(straight)], nproc=nproc)
+    ckpt = tmp_path / "ckpt"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", str(stop_at),
+                  "--metrics-path", str(first)], nproc=nproc)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(stop_at)
+    run_pretrain([*flags, "--load", str(ckpt), *load_flags, "--metrics-path", str(second)],
+                 nproc=nproc)
+    return read_metrics(straight), read_metrics(first) + read_metrics(second)
+
+
+def losses_of(records) -> List[float]:
+    return [r["lm_loss"] for r in records if "lm_loss" in r]
+
+
+def write_indexed_dataset(prefix, documents) -> None:
+    """Writes megatron-core PREFIX.bin/.idx (uint16 tokens) holding ``documents``."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    for doc in documents:
+        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")
