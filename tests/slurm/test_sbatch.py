@@ -1,0 +1,258 @@
+"""The Slurm job scripts of examples/slurm on a real Slurm cluster on localhost.
+
+Every job trains the same tiny GPT (2 layers, hidden 64, mock data) with 2 processes on
+the CPU (gloo), so the loss curve of each job must equal, bit for bit, that of one
+uninterrupted run of smoke_local.sh (the same configuration without Slurm): exact resume
+makes that hold also for the jobs that are interrupted, requeued and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from tests.slurm.cluster import SlurmCluster, free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+SLURM_DIR = ROOT / "examples" / "slurm"
+SINGLE = SLURM_DIR / "pretrain_gpt.sbatch"
+MULTI = SLURM_DIR / "pretrain_gpt_multinode.sbatch"
+SMOKE = SLURM_DIR / "smoke_local.sh"
+
+ITERS = 80
+# The knobs of the job scripts for the tiny CPU configuration of tests/conftest.py (TINY).
+TINY_KNOBS = {
+    "NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "4", "SEQ_LENGTH": "32",
+    "MICRO_BATCH_SIZE": "4", "VOCAB_SIZE": "250", "LR": "1e-2", "MIN_LR": "1e-4",
+    "LR_WARMUP_ITERS": "2", "WEIGHT_DECAY": "0.01", "SEED": "1234", "PRECISION": "fp32",
+    "LOG_INTERVAL": "1", "EVAL_ITERS": "0", "DEVICE": "cpu", "NPROC": "2",
+    "TRAIN_ITERS": str(ITERS),
+    # Only the end of training and the exit signal save a checkpoint.
+    "SAVE_INTERVAL": "100000",
+}
+# A CPU cluster: the scripts ask for 8 GPUs per node.
+NO_GPUS = ["--gpus-per-node=0"]
+
+
+# Every knob of the scripts: none may leak in from the environment of the test run.
+ALL_KNOBS = (
+    "NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH", "TRAIN_ITERS",
+    "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "LR_WARMUP_ITERS",
+    "WEIGHT_DECAY", "SEED", "PRECISION", "DATA_PATH", "TOKENIZER_TYPE", "TOKENIZER_MODEL",
+    "SPLIT", "VOCAB_SIZE", "RUN_DIR", "SAVE_DIR", "SAVE_INTERVAL", "LOG_INTERVAL",
+    "EVAL_INTERVAL", "EVAL_ITERS", "METRICS_PATH", "WANDB_PROJECT", "WANDB_MODE", "TP", "PP",
+    "NPROC", "DEVICE", "PYTHON", "MEGATRON_EXT_DIR", "EXTRA_ARGS", "SHUTDOWN_TIMEOUT",
+    "MAX_REQUEUES", "MASTER_PORT",
+)
+
+
+def job_env(run_dir: Path, **extra: str) -> Dict[str, str]:
+    """The environment of a job (or of smoke_local.sh) in the tiny CPU configuration."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ALL_KNOBS and not k.startswith("SLURM_")
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(TINY_KNOBS)
+    env.update({"RUN_DIR": str(run_dir), "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+                "MEGATRON_EXT_DIR": str(ROOT)})
+    env.update(extra)
+    return env
+
+
+def multinode_env(run_dir: Path) -> Dict[str, str]:
+    # A free rendezvous port rather than the script's 20000 + job id: another test session
+    # on this machine has the same job ids.
+    return job_env(run_dir, MASTER_PORT=str(free_ports(1)[0]))
+
+
+def loss_curve(metrics: Path) -> Dict[int, float]:
+    """lm loss by iteration; a later record of an iteration replaces an earlier one (a
+    resumed run repeats the iterations after its checkpoint)."""
+    curve: Dict[int, float] = {}
+    with open(metrics) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                if "lm_loss" in record:
+                    curve[record["iteration"]] = record["lm_loss"]
+    return curve
+
+
+def read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return f"({path} does not exist)"
+
+
+def metrics_records(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if '"lm_loss"' in line)
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_records(cluster: SlurmCluster, job: int, metrics: Path, count: int,
+                     output: Path, timeout: float = 120) -> None:
+    """Waits until the job has logged COUNT iterations (training is under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics_records(metrics) >= count:
+            return
+        state = cluster.job_state(job).get("JobState")
+        if state != "RUNNING" and state != "PENDING":
+            break
+        time.sleep(0.05)
+    pytest.fail(f"job {job} did not log {count} iterations (it logged "
+                f"{metrics_records(metrics)})\n{cluster.diagnostics(job, output)}")
+
+
+class Reference:
+    """One uninterrupted run of smoke_local.sh (no Slurm), started in the background so
+    that it overlaps the first job; :meth:`curve` waits for it."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.log = run_dir / "smoke_local.out"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(["bash", str(SMOKE)], cwd=ROOT, env=job_env(run_dir),
+                                         stdout=out, stderr=subprocess.STDOUT)
+        self._curve = None
+
+    def curve(self) -> Dict[int, float]:
+        if self._curve is None:
+            try:
+                rc = self.proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                rc = self.proc.wait()
+            text = read(self.log)
+            assert rc == 0, f"smoke_local.sh exited {rc}:\n{text[-6000:]}"
+            assert "megatron_ext: cpu x2 " in text, text[-3000:]
+            curve = loss_curve(self.run_dir / "metrics.jsonl")
+            assert sorted(curve) == list(range(1, ITERS + 1)), text[-3000:]
+            self._curve = curve
+        return self._curve
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory):
+    ref = Reference(tmp_path_factory.mktemp("reference"))
+    yield ref
+    if ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.wait()
+
+
+def check_finished(cluster: SlurmCluster, job: int, run_dir: Path, output: Path,
+                   reference: Reference, restarts: int) -> str:
+    """The job COMPLETED after RESTARTS requeues with the reference loss curve."""
+    info = cluster.wait(job, {"COMPLETED"}, timeout=240, output=output)
+    log = read(output)
+    why = f"\n{cluster.diagnostics(job, output)}"
+    assert info.get("Restarts") == str(restarts), f"Restarts={info.get('Restarts')}" + why
+    assert "megatron_ext: cpu x2 " in log, why
+    assert (run_dir / "checkpoints" / f"iter_{ITERS:07d}").is_dir(), why
+    assert read(run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").strip() \
+        == str(ITERS), why
+    curve = loss_curve(run_dir / "metrics.jsonl")
+    assert sorted(curve) == list(range(1, ITERS + 1)), f"iterations {sorted(curve)}" + why
+    expected = reference.curve()
+    diff = {it: (curve[it], expected[it]) for it in curve if curve[it] != expected[it]}
+    assert not diff, f"loss differs from the uninterrupted run at {diff}" + why
+    return log
+
+
+def check_interrupted(log: str, run_dir: Path, interruptions: int, why: str) -> List[int]:
+    """The log shows INTERRUPTIONS + 1 runs; each but the last stopped on a signal at a
+    checkpoint strictly inside the training, which the next run loaded. Returns the
+    iterations of those checkpoints."""
+    runs = re.findall(r"run (\d+) \(SLURM_RESTART_COUNT=(\d+)\)", log)
+    assert runs == [(str(n + 1), str(n)) for n in range(interruptions + 1)], f"runs {runs}" + why
+    saved = [int(n) for n in re.findall(r"exit signal received: saving at iteration (\d+)", log)]
+    assert len(saved) == interruptions, f"signal saves {saved}" + why
+    assert 0 < saved[0] and saved == sorted(set(saved)) and saved[-1] < ITERS, \
+        f"signal saves {saved}" + why
+    for stop in saved:
+        path = run_dir / "checkpoints" / f"iter_{stop:07d}"
+        assert f"loaded {path} (iteration {stop}," in log, why
+        assert path.is_dir(), why
+    return saved
+
+
+def submit(cluster: SlurmCluster, script: Path, run_dir: Path):
+    """Submits SCRIPT in the tiny CPU configuration; returns (job id, its output file)."""
+    if script == MULTI:
+        env, args = multinode_env(run_dir), [*NO_GPUS, "--nodes=1"]
+    else:
+        env, args = job_env(run_dir), NO_GPUS
+    job = cluster.sbatch(script, env=env, args=args, output=run_dir / "job-%j.out", chdir=ROOT)
+    return job, run_dir / f"job-{job}.out"
+
+
+def interrupt(cluster: SlurmCluster, job: int, how: str, run_dir: Path, output: Path,
+              restarts: int) -> None:
+    """Once the current run has trained 3 iterations, interrupts it HOW ('usr1': the
+    warning signal to the batch shell, whose script requeues the job; 'requeue':
+    `scontrol requeue`, i.e. SIGTERM to every process), then waits for the job to be
+    pending again and starts it at once (Slurm would hold it back 2 minutes)."""
+    metrics = run_dir / "metrics.jsonl"
+    wait_for_records(cluster, job, metrics, metrics_records(metrics) + 3, output)
+    if how == "usr1":
+        cluster.signal(job, "USR1", batch=True)
+    else:
+        cluster.requeue(job)
+    cluster.wait(job, {"PENDING"}, timeout=120, output=output,
+                 predicate=lambda info: info.get("Restarts") == str(restarts))
+    cluster.start_now(job)
+
+
+def test_single_node_job_runs_to_completion(slurm_cluster, reference, tmp_path):
+    job, output = submit(slurm_cluster, SINGLE, tmp_path)
+    log = check_finished(slurm_cluster, job, tmp_path, output, reference, restarts=0)
+    assert "SLURM_RESTART_COUNT=0" in log and "exit signal received" not in log, log[-3000:]
+
+
+def test_multinode_job_runs_to_completion(slurm_cluster, reference, tmp_path):
+    job, output = submit(slurm_cluster, MULTI, tmp_path)
+    log = check_finished(slurm_cluster, job, tmp_path, output, reference, restarts=0)
+    host = slurm_cluster.host
+    assert f"rendezvous at {host}:" in log and "--rdzv_backend=c10d" in log, log[-3000:]
+
+
+def test_single_node_job_saves_requeues_itself_on_usr1_and_resumes_exactly(
+        slurm_cluster, reference, tmp_path):
+    """SIGUSR1 to the batch shell (what --signal=B:USR1@120 sends before the time limit):
+    the shell passes it to torchrun's workers, they save and exit, the script requeues
+    the job, the next run resumes from the checkpoint."""
+    job, output = submit(slurm_cluster, SINGLE, tmp_path)
+    interrupt(slurm_cluster, job, "usr1", tmp_path, output, restarts=1)
+    log = check_finished(slurm_cluster, job, tmp_path, output, reference, restarts=1)
+    why = f"\n{slurm_cluster.diagnostics(job, output)}"
+    check_interrupted(log, tmp_path, 1, why)
+    assert log.count("received SIGUSR1") == 1 and log.count("requeueing job") == 1, why
+
+
+def test_multinode_job_survives_scontrol_requeue_and_usr1_and_resumes_exactly(
+        slurm_cluster, reference, tmp_path):
+    """Run 1 ends by `scontrol requeue` (Slurm's SIGTERM reaches every process; Slurm
+    requeues), run 2 by SIGUSR1 to the batch shell (passed on through srun and torchrun;
+    the script requeues), run 3 finishes; each resumes from the previous checkpoint."""
+    job, output = submit(slurm_cluster, MULTI, tmp_path)
+    interrupt(slurm_cluster, job, "requeue", tmp_path, output, restarts=1)
+    interrupt(slurm_cluster, job, "usr1", tmp_path, output, restarts=2)
+    log = check_finished(slurm_cluster, job, tmp_path, output, reference, restarts=2)
+    why = f"\n{slurm_cluster.diagnostics(job, output)}"
+    check_interrupted(log, tmp_path, 2, why)
+    assert log.count("received SIGTERM") == 1 and log.count("received SIGUSR1") == 1, why
+    # Only the USR1 run requeues itself: after SIGTERM, Slurm does.
+    assert log.count("requeueing job") == 1, why
