@@ -256,3 +256,26 @@ def test_multinode_job_survives_scontrol_requeue_and_usr1_and_resumes_exactly(
     assert log.count("received SIGTERM") == 1 and log.count("received SIGUSR1") == 1, why
     # Only the USR1 run requeues itself: after SIGTERM, Slurm does.
     assert log.count("requeueing job") == 1, why
+
+
+def test_plain_srun_tasks_read_their_layout_from_slurm(slurm_cluster, tmp_path):
+    """No torchrun: each srun task takes RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID,
+    SLURM_NTASKS, SLURM_LOCALID and MASTER_ADDR from the node list."""
+    from mext_testing import TINY
+
+    metrics = tmp_path / "metrics.jsonl"
+    script = tmp_path / "plain_srun.sbatch"
+    args = " ".join([*TINY, "--train-iters", "12", "--use-distributed-optimizer",
+                     "--metrics-path", str(metrics)])
+    script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\nset -euo pipefail\n"
+                      f"srun --ntasks=2 {sys.executable} {ROOT / 'pretrain_gpt.py'} {args}\n")
+    env = job_env(tmp_path, MASTER_PORT=str(free_ports(1)[0]))
+    job = slurm_cluster.sbatch(script, env=env, args=NO_GPUS, output=tmp_path / "job-%j.out",
+                               chdir=ROOT)
+    output = tmp_path / f"job-{job}.out"
+    slurm_cluster.wait(job, {"COMPLETED"}, timeout=180, output=output)
+    log = read(output)
+    assert "megatron_ext: cpu x2 " in log, slurm_cluster.diagnostics(job, output)
+    curve = loss_curve(metrics)
+    assert sorted(curve) == list(range(1, 13)), log[-3000:]
+    assert curve[12] < curve[1], curve
