@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The quickstart: ONE command from a fresh clone, on a machine with or without a GPU.
 #   bash examples/quickstart.sh
-# 1. creates .venv and installs requirements.txt (skipped when already installed),
+# 1. creates .venv and installs requirements.txt (skipped when already installed, and
+#    skipped altogether when $PYTHON already has the pinned packages, e.g. in CI's venv),
 # 2. builds a real corpus that ships with every Python installation (the standard
 #    library's source text) with tools/build_corpus.py,
 # 3. trains a SentencePiece tokenizer on it, 4. preprocesses it to .bin/.idx,
 # 5. pretrains a small GPT with pretrain_gpt.py (CPU when there is no GPU), printing the
-#    iteration breakdown, saving checkpoints, metrics JSONL and an offline wandb run.
+#    iteration breakdown, saving checkpoints, metrics JSONL and an offline wandb run,
+# 6. plots the metrics to breakdown.png with tools/plot_breakdown.py.
 # Knobs (environment): QUICKSTART_DIR (default runs/quickstart), QUICKSTART_ITERS (150),
 # QUICKSTART_DOCS (1500 documents), PYTHON (python3).
 set -euo pipefail
@@ -17,28 +19,54 @@ DOCS="${QUICKSTART_DOCS:-1500}"
 PY="${PYTHON:-python3}"
 step() { printf '\n== %s\n' "$*"; }
 
-step "environment (.venv)"
-if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
-# shellcheck disable=SC1091
-. .venv/bin/activate
-stamp=".venv/.requirements-$(sha1sum requirements.txt | cut -c1-12)"
-if [ ! -f "$stamp" ]; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q -r requirements.txt
-  touch "$stamp"
+# True when python "$1" already has every pinned package of requirements.txt at its pinned
+# version (as when the test suite runs this script inside the venv CI built from it), so
+# nothing needs installing. Reads the installed packages' metadata without importing
+# them (importing torch and megatron-core takes seconds); a local build tag such as
+# torch's +cu130 does not count as a different version.
+has_requirements() {
+  "$1" - <<'PYCHECK' 2>/dev/null
+import importlib.metadata as md
+import sys
+
+def installed(name):
+    try:
+        return md.version(name).split("+")[0]
+    except md.PackageNotFoundError:
+        return None
+
+pins = [line.split("#")[0].strip().split("==") for line in open("requirements.txt")]
+sys.exit(0 if all(installed(p[0]) == p[1] for p in pins if len(p) == 2) else 1)
+PYCHECK
+}
+
+if has_requirements "$PY"; then
+  step "environment: $("$PY" -c 'import sys; print(sys.executable)') already has the requirements"
+else
+  step "environment (.venv)"
+  if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+  PY=python
+  stamp=".venv/.requirements-$(sha1sum requirements.txt | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q -r requirements.txt
+    touch "$stamp"
+  fi
 fi
 mkdir -p "$WORK"
 
 step "corpus: the Python standard library's source text ($DOCS documents)"
-[ -s "$WORK/corpus.jsonl" ] || python tools/build_corpus.py --output "$WORK/corpus.jsonl" \
+[ -s "$WORK/corpus.jsonl" ] || "$PY" tools/build_corpus.py --output "$WORK/corpus.jsonl" \
     --max-docs "$DOCS" --max-chars 20000 --seed 1
 
 step "tokenizer (SentencePiece BPE, 4096 pieces)"
-[ -s "$WORK/tokenizer.model" ] || python tools/train_tokenizer.py --input "$WORK/corpus.jsonl" \
+[ -s "$WORK/tokenizer.model" ] || "$PY" tools/train_tokenizer.py --input "$WORK/corpus.jsonl" \
     --output-prefix "$WORK/tokenizer" --vocab-size 4096 --model-type bpe --quiet
 
 step "preprocessing to megatron-core .bin/.idx"
-[ -s "$WORK/stdlib_text_document.idx" ] || python tools/preprocess_data.py \
+[ -s "$WORK/stdlib_text_document.idx" ] || "$PY" tools/preprocess_data.py \
     --input "$WORK/corpus.jsonl" --output-prefix "$WORK/stdlib" \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$WORK/tokenizer.model" \
     --append-eod --workers 2
@@ -57,11 +85,11 @@ OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --save-interval 50
         --log-interval 10 --eval-interval 50 --eval-iters 4
         --metrics-path "$WORK/metrics.jsonl" --wandb-project megatron_ext-quickstart
         --wandb-exp-name quickstart --wandb-save-dir "$WORK" --wandb-mode offline)
-python pretrain_gpt.py "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUT[@]}"
+"$PY" pretrain_gpt.py "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUT[@]}"
 
-if [ -f tools/plot_breakdown.py ]; then
-  step "plot of the iteration breakdown"
-  python tools/plot_breakdown.py "$WORK/metrics.jsonl" --output "$WORK/breakdown.png"
-fi
+step "plot of the iteration breakdown"
+"$PY" tools/plot_breakdown.py "$WORK/metrics.jsonl" --output "$WORK/breakdown.png" \
+    --title "quickstart: 4-layer GPT on the Python standard library"
 step "done"
 echo "checkpoints: $WORK/checkpoints   metrics: $WORK/metrics.jsonl   wandb: $WORK/wandb"
+echo "plot: $WORK/breakdown.png"

@@ -1,0 +1,56 @@
+"""examples/quickstart.sh runs end to end (12 iterations, 300 documents) inside the test venv.
+
+The test's Python already has the pinned requirements, so the script must use it as it
+is: no .venv created or activated, nothing installed (no network needed).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+from mext_testing import ROOT, read_metrics
+
+ITERS = 12  # the script logs every 10 iterations and at the end: records at 10 and 12
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_quickstart_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    work = tmp_path / "qs"
+    env = {**os.environ, "PYTHON": sys.executable, "QUICKSTART_DIR": str(work),
+           "QUICKSTART_ITERS": str(ITERS), "QUICKSTART_DOCS": "300", "WANDB_MODE": "offline",
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "quickstart.sh")], cwd=tmp_path,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=400)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert "already has the requirements" in out, out[:2000]
+    assert "pip install" not in out and "environment (.venv)" not in out
+
+    ckpt = work / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    iter_dir = ckpt / f"iter_{ITERS:07d}"
+    assert iter_dir.is_dir() and any(iter_dir.iterdir())
+
+    records = read_metrics(work / "metrics.jsonl")
+    assert [r["iteration"] for r in records if "lm_loss" in r] == [10, ITERS]
+    assert [r["iteration"] for r in records if "eval/lm_loss" in r] == [ITERS]
+    assert all(r["time/forward_s"] > 0 for r in records if "lm_loss" in r)
+
+    (run,) = glob.glob(str(work / "wandb" / "offline-run-*"))
+    assert glob.glob(os.path.join(run, "run-*.wandb"))
+
+    png = work / "breakdown.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 20_000
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == (1210, round((0.8 + 2.4 * 4) * 110))  # the 4 core panels
+    assert f"plot: {work}/breakdown.png" in out

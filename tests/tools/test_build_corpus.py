@@ -1,0 +1,107 @@
+"""tools/build_corpus.py: valid jsonl, deterministic, no empty document, clean errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+
+import pytest
+from build_corpus import order_files, split_text, to_jsonl_line
+from tools_testlib import assert_ok, assert_usage_error, run_tool
+
+
+def _read_jsonl(path):
+    with open(path, encoding="utf-8") as stream:
+        return [json.loads(line) for line in stream]
+
+
+def test_small_corpus_is_valid_jsonl(tmp_path):
+    out = tmp_path / "c.jsonl"
+    run = run_tool("build_corpus.py", "--output", out, "--max-docs", 20)
+    assert_ok(run)
+    records = _read_jsonl(out)
+    assert len(records) == 20
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for record in records:
+        assert set(record) == {"text", "source", "chunk"}
+        assert isinstance(record["text"], str) and record["text"].strip()
+        assert record["source"].endswith(".py")
+        assert os.path.isfile(os.path.join(stdlib, record["source"]))
+    # Without --seed the files come in sorted order.
+    sources = [r["source"] for r in records]
+    assert sources == sorted(sources)
+    assert "wrote 20 documents" in run.stderr
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_build_is_deterministic(tmp_path):
+    args = ["--max-docs", 40, "--max-chars", 2000, "--seed", 7]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert_ok(run_tool("build_corpus.py", "--output", first, *args))
+    assert_ok(run_tool("build_corpus.py", "--output", second, *args))
+    assert first.read_bytes() == second.read_bytes()
+    records = _read_jsonl(first)
+    assert all(0 < len(r["text"]) <= 2000 for r in records)
+    # A chunked file's chunks are consecutive and numbered from 0.
+    for previous, record in zip(records, records[1:], strict=False):
+        if record["chunk"]:
+            assert record["source"] == previous["source"]
+            assert record["chunk"] == previous["chunk"] + 1
+
+
+def test_chunks_concatenate_to_the_file(tmp_path):
+    out = tmp_path / "c.jsonl"
+    assert_ok(run_tool("build_corpus.py", "--output", out, "--max-docs", 30, "--max-chars", 500))
+    records = _read_jsonl(out)
+    first_source = records[0]["source"]
+    chunks = [r["text"] for r in records if r["source"] == first_source]
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], first_source), "rb") as stream:
+        whole = stream.read().decode("utf-8")
+    if len(chunks) == 30:  # the file did not fit in --max-docs: compare the prefix only
+        whole = whole[:len("".join(chunks))]
+    assert "".join(chunks) == whole
+
+
+@pytest.mark.parametrize("text, max_chars, expected", [
+    ("", 10, []),
+    ("abc", None, ["abc"]),
+    ("abc\n", 10, ["abc\n"]),
+    ("a\nb\nc\n", 4, ["a\nb\n", "c\n"]),
+    ("aaaaaaaaaa\nb\n", 4, ["aaaa", "aaaa", "aa\n", "b\n"]),
+    ("ab\r\ncd\r\n", 4, ["ab\r\n", "cd\r\n"]),
+    ("x" * 9, 3, ["xxx"] * 3),
+])
+def test_split_text(text, max_chars, expected):
+    assert split_text(text, max_chars) == expected
+    assert "".join(split_text(text, max_chars)) == text
+
+
+def test_order_files_is_sorted_without_seed_and_reproducible_with_one():
+    paths = [f"m{i:03d}.py" for i in range(50)]
+    assert order_files(paths, None) == paths
+    assert order_files(paths, 3) == order_files(paths, 3)
+    assert order_files(paths, 3) != paths
+    assert sorted(order_files(paths, 3)) == paths
+
+
+def test_jsonl_line_escapes_unicode_line_breaks():
+    record = {"text": "a\u2028b\x85c\nd", "source": "x.py", "chunk": 0}
+    line = to_jsonl_line(record)
+    assert line.endswith("\n") and len(line.splitlines()) == 1
+    assert json.loads(line) == record
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--max-docs", "0"], "--max-docs: must be >= 1"),
+    (["--max-chars", "x"], "--max-chars: expected an integer"),
+    (["--kind", "nope"], "argument --kind: invalid choice"),
+])
+def test_bad_flags(tmp_path, args, expected):
+    run = run_tool("build_corpus.py", "--output", tmp_path / "c.jsonl", *args)
+    assert_usage_error(run, expected)
+    assert not list(tmp_path.iterdir())
+
+
+def test_output_that_is_a_directory_is_rejected(tmp_path):
+    assert_usage_error(run_tool("build_corpus.py", "--output", tmp_path), "is a directory")

@@ -1,0 +1,256 @@
+"""Builds a real text corpus, as jsonl, from text that ships with every Python installation.
+
+Nobody on this project wrote the text, and any machine has it offline, so tests and
+benchmarks run on real-world data without a download. The only kind today is
+``stdlib-python``: the ``.py`` files of the standard library of the Python running this
+tool (``sysconfig.get_paths()["stdlib"]``), one document per file or per chunk of a file.
+
+Output, one JSON object per line::
+
+    {"text": "<file text or chunk>", "source": "json/decoder.py", "chunk": 0}
+
+``source`` is the path relative to the library root, ``chunk`` the 0-based index of the
+chunk within the file (always 0 without ``--max-chars``). The same Python installation
+and flags give a byte-identical file: paths are sorted before anything else happens.
+
+Example::
+
+    python tools/build_corpus.py --output data/stdlib.jsonl --max-chars 8000
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import sysconfig
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from _common import (
+    ToolArgumentParser,
+    ToolError,
+    ensure_parent_dir,
+    human_mb,
+    log,
+    non_negative_int,
+    positive_int,
+    remove_quietly,
+    run_tool,
+    temporary_path,
+)
+
+# Directories under the stdlib root that hold third-party or generated files: they vary
+# from one installation (or virtualenv) to the next, so the corpus would too.
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_PROGRESS_EVERY_FILES = 250
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """The files of one corpus kind: a root directory and sorted paths relative to it."""
+
+    root: str
+    relative_paths: Tuple[str, ...]
+
+
+def stdlib_python_files() -> SourceFiles:
+    """The ``.py`` files of the running Python's standard library, in sorted order."""
+    root = sysconfig.get_paths()["stdlib"]
+    if not os.path.isdir(root):
+        raise ToolError(f"the standard library directory {root} does not exist; "
+                        "run this tool with a full Python installation")
+    found: List[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place stops os.walk from descending into excluded directories.
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.relpath(os.path.join(dirpath, name), root)
+                found.append(path.replace(os.sep, "/"))
+    # Sorted by the relative path, not by os.walk's order, which depends on the file system.
+    return SourceFiles(root=root, relative_paths=tuple(sorted(found)))
+
+
+# Each kind maps to a function that lists its files; add a kind by adding an entry.
+KINDS: Dict[str, Callable[[], SourceFiles]] = {
+    "stdlib-python": stdlib_python_files,
+}
+
+
+def split_text(text: str, max_chars: Optional[int]) -> List[str]:
+    """Splits ``text`` into chunks of at most ``max_chars`` characters.
+
+    Chunks end at line ends where possible, so code is cut between statements rather than
+    inside identifiers; a single line longer than ``max_chars`` is cut inside the line.
+    Concatenating the chunks gives back ``text`` exactly.
+
+    Args:
+        text: the text to split.
+        max_chars: the chunk size limit; ``None`` keeps ``text`` whole.
+
+    Returns:
+        The chunks, none of them empty (an empty ``text`` gives no chunk).
+    """
+    if not text:
+        return []
+    if max_chars is None or len(text) <= max_chars:
+        return [text]
+    chunks: List[str] = []
+    current: List[str] = []
+    current_len = 0
+    for line in text.splitlines(keepends=True):
+        if current_len + len(line) > max_chars and current:
+            chunks.append("".join(current))
+            current, current_len = [], 0
+        while len(line) > max_chars:
+            chunks.append(line[:max_chars])
+            line = line[max_chars:]
+        if line:
+            current.append(line)
+            current_len += len(line)
+    if current:
+        chunks.append("".join(current))
+    return chunks
+
+
+def order_files(paths: Sequence[str], seed: Optional[int]) -> List[str]:
+    """The files in the order the corpus visits them.
+
+    Args:
+        paths: relative paths, already sorted.
+        seed: ``None`` keeps the sorted order; an integer shuffles it with that seed, so
+            that ``--max-docs`` samples the whole library instead of its first packages.
+
+    Returns:
+        A new list.
+    """
+    ordered = list(paths)
+    if seed is not None:
+        random.Random(seed).shuffle(ordered)
+    return ordered
+
+
+@dataclass
+class CorpusStats:
+    """Counters for the summary line."""
+
+    files_read: int = 0
+    files_skipped_not_utf8: int = 0
+    files_skipped_blank: int = 0
+    documents: int = 0
+    bytes_written: int = 0
+
+
+def iter_documents(root: str, paths: Sequence[str], max_chars: Optional[int],
+                   stats: CorpusStats) -> Iterator[dict]:
+    """Reads ``paths`` under ``root`` and yields one record per document.
+
+    Files that are not valid UTF-8 (the test suite ships some on purpose) and files with
+    only whitespace (many ``__init__.py``) are skipped and counted in ``stats``.
+    """
+    for index, rel_path in enumerate(paths):
+        if index and index % _PROGRESS_EVERY_FILES == 0:
+            log(f"build_corpus: {index}/{len(paths)} files, {stats.documents} documents, "
+                f"{human_mb(stats.bytes_written)}")
+        with open(os.path.join(root, rel_path), "rb") as stream:
+            raw = stream.read()
+        stats.files_read += 1
+        try:
+            # Decoding the bytes ourselves keeps "\r\n" as the file has it (text mode
+            # would turn it into "\n").
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            stats.files_skipped_not_utf8 += 1
+            continue
+        if not text.strip():
+            stats.files_skipped_blank += 1
+            continue
+        for chunk_index, chunk in enumerate(split_text(text, max_chars)):
+            yield {"text": chunk, "source": rel_path, "chunk": chunk_index}
+
+
+# json.dumps(ensure_ascii=False) leaves these raw, and str.splitlines() (unlike a file's
+# own line iteration) breaks lines at them; escaping keeps one record per line for every
+# reader.
+_LINE_BREAKS_TO_ESCAPE = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def to_jsonl_line(record: dict) -> str:
+    """One record as a jsonl line (UTF-8 text, no raw line break inside, ending in "\\n")."""
+    line = json.dumps(record, ensure_ascii=False)
+    for char, escaped in _LINE_BREAKS_TO_ESCAPE.items():
+        if char in line:
+            line = line.replace(char, escaped)
+    return line + "\n"
+
+
+def build_parser() -> ToolArgumentParser:
+    """The command-line parser; --help describes every flag."""
+    parser = ToolArgumentParser(
+        prog="tools/build_corpus.py",
+        description="Build a jsonl corpus from text shipped with the Python installation "
+                    "(deterministic: same installation and flags, same bytes).",
+    )
+    parser.add_argument("--output", required=True, metavar="PATH.jsonl",
+                        help="where to write the corpus; its directory is created if missing. "
+                             "Written to PATH.jsonl.tmp-PID first, then renamed.")
+    parser.add_argument("--kind", choices=sorted(KINDS), default="stdlib-python",
+                        help="which text to collect. stdlib-python: the .py files of the "
+                             "standard library of this Python (default: %(default)s)")
+    parser.add_argument("--max-docs", type=positive_int, default=None, metavar="N",
+                        help="stop after N documents (default: all)")
+    parser.add_argument("--max-chars", type=positive_int, default=None, metavar="N",
+                        help="split files longer than N characters into chunks of at most N "
+                             "characters, at line ends where possible; each chunk is a "
+                             "document (default: one document per file)")
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help="shuffle the file order with this seed before taking documents, "
+                             "so --max-docs samples the whole library (default: sorted path "
+                             "order)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Builds the corpus named by the command line.
+
+    Raises:
+        ToolError: bad input; ``run_tool`` prints it and exits with status 2.
+    """
+    args = build_parser().parse_args(argv)
+    if args.output.endswith(os.sep) or os.path.isdir(args.output):
+        raise ToolError(f"--output {args.output} is a directory; give a file path such as "
+                        f"{os.path.join(args.output, 'corpus.jsonl')}")
+    files = KINDS[args.kind]()
+    paths = order_files(files.relative_paths, args.seed)
+    log(f"build_corpus: kind {args.kind}, {len(paths)} files under {files.root}")
+
+    ensure_parent_dir(args.output)
+    tmp_path = temporary_path(args.output)
+    stats = CorpusStats()
+    done = False
+    try:
+        # newline="\n" so the file is the same bytes on every platform.
+        with open(tmp_path, "w", encoding="utf-8", newline="\n") as out:
+            for record in iter_documents(files.root, paths, args.max_chars, stats):
+                line = to_jsonl_line(record)
+                out.write(line)
+                stats.documents += 1
+                stats.bytes_written += len(line.encode("utf-8"))
+                if args.max_docs is not None and stats.documents >= args.max_docs:
+                    break
+        if stats.documents == 0:
+            raise ToolError(f"no documents found for --kind {args.kind} under {files.root}")
+        os.replace(tmp_path, args.output)
+        done = True
+    finally:
+        if not done:
+            remove_quietly([tmp_path])
+    log(f"build_corpus: wrote {stats.documents} documents ({human_mb(stats.bytes_written)}) "
+        f"from {stats.files_read} files to {args.output}; skipped "
+        f"{stats.files_skipped_not_utf8} non-UTF-8 and {stats.files_skipped_blank} blank files")
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))

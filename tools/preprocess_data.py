@@ -1,0 +1,481 @@
+"""Tokenizes jsonl documents into megatron-core's indexed dataset format (.bin/.idx).
+
+Flags and output names follow Megatron-LM's ``tools/preprocess_data.py``: for each json
+key K the output is ``{output_prefix}_{K}_document.bin`` and ``.idx``, which
+``megatron.core.datasets.indexed_dataset.IndexedDataset("{output_prefix}_{K}_document")``
+reads back, one document per input line, with the tokenizer's ids (and the end-of-document
+id when ``--append-eod`` is given). A line whose text has no token and gets no EOD (an
+empty text without ``--append-eod``) is left out and counted.
+
+How the work is split: the main process reads the input in chunks of lines and hands them
+to a pool of worker processes; each worker parses JSON and tokenizes a whole chunk and
+returns numpy arrays, and the main process writes the chunks in input order, so the output
+is byte-identical for any ``--workers``. Tokenizing is about 90% of the CPU time (the main
+process's reading and writing the rest), so the run scales with the workers.
+
+Failure handling: output goes to temporary files next to the final ones
+(``{output_prefix}_{K}_document.tmp-PID.bin/.idx``) that are renamed only once every line
+is written. On a malformed line (``--on-error fail``, the default), an exception, Ctrl-C
+or SIGTERM, the temporary files are removed, so nothing is left under the output prefix.
+A worker that dies (e.g. killed for lack of memory) stops the run the same way. Only
+SIGKILL of the main process leaves its ``.tmp-PID`` files behind (nothing can catch it);
+they are safe to delete, and its workers exit within a second.
+
+Example::
+
+    python tools/preprocess_data.py --input data/stdlib.jsonl --output-prefix data/stdlib \\
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/spm32k.model \\
+        --append-eod --workers 8
+    # -> data/stdlib_text_document.bin, data/stdlib_text_document.idx
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import itertools
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+from _common import (
+    ToolArgumentParser,
+    ToolError,
+    check_input_file,
+    ensure_parent_dir,
+    load_sentencepiece,
+    log,
+    parse_json_line,
+    positive_int,
+    remove_quietly,
+    run_tool,
+    temporary_path,
+)
+
+TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer")
+# A chunk also ends once its lines reach this many bytes, so that a file of very long
+# documents does not put hundreds of MB in one task, and the last tasks stay small
+# enough for the workers to finish together.
+CHUNK_MAX_BYTES = 1 << 20
+# Printed warnings for skipped lines (--on-error skip); the rest are only counted.
+MAX_PRINTED_WARNINGS = 20
+# Chunks submitted ahead of the one being written, per worker: enough that no worker waits
+# for the main process, few enough that memory stays bounded whatever the input size.
+CHUNKS_AHEAD_PER_WORKER = 4
+# Until the first chunk is written, megatron-core is still being imported (seconds); this
+# many chunks are submitted ahead meanwhile, so that the workers are busy during it.
+CHUNKS_AHEAD_AT_START = 64
+# How often a worker checks that the main process is still alive.
+ORPHAN_CHECK_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive lines of one input file: the unit of work sent to a worker."""
+
+    file_index: int
+    first_line: int  # 1-based line number of lines[0]
+    lines: List[bytes]
+
+
+@dataclass
+class ChunkResult:
+    """A tokenized chunk; arrays rather than lists of lists, because they pickle fast.
+
+    For each json key: ``tokens[key]`` is the ids of the chunk's kept documents one after
+    the other, and ``lengths[key]`` the number of ids of each.
+    """
+
+    file_index: int
+    first_line: int
+    num_lines: int
+    num_bytes: int
+    tokens: Dict[str, np.ndarray] = field(default_factory=dict)
+    lengths: Dict[str, np.ndarray] = field(default_factory=dict)
+    empty_documents: Dict[str, int] = field(default_factory=dict)
+    errors: List[Tuple[int, str]] = field(default_factory=list)  # (line number, message)
+
+
+def encode_chunk(tokenizer, chunk: Chunk, keys: Sequence[str],
+                 eod_id: Optional[int]) -> ChunkResult:
+    """Parses and tokenizes every line of ``chunk``.
+
+    Args:
+        tokenizer: a SentencePieceProcessor (anything with ``encode(list of str)``).
+        chunk: the lines to process.
+        keys: the json keys to tokenize, each one a separate output dataset.
+        eod_id: appended to every document when not ``None`` (``--append-eod``).
+
+    Returns:
+        The ids, the lengths and the malformed lines of the chunk. A document with no
+        ids (empty text, no EOD) is left out and counted: it would be a document of no
+        sequence, and megatron-core's GPTDataset counts sequences.
+    """
+    result = ChunkResult(chunk.file_index, chunk.first_line, len(chunk.lines),
+                         sum(len(line) for line in chunk.lines))
+    texts: Dict[str, List[str]] = {key: [] for key in keys}
+    for offset, raw in enumerate(chunk.lines):
+        parsed = parse_json_line(raw, keys)
+        if isinstance(parsed, str):
+            result.errors.append((chunk.first_line + offset, parsed))
+            continue
+        for key in keys:
+            texts[key].append(parsed[key])
+    for key in keys:
+        # One batch call: the per-call overhead of the C++ side is paid once per chunk.
+        docs = tokenizer.encode(texts[key]) if texts[key] else []
+        if eod_id is not None:
+            for ids in docs:
+                ids.append(eod_id)
+        lengths = np.fromiter((len(ids) for ids in docs), dtype=np.int64, count=len(docs))
+        total = int(lengths.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int32, count=total)
+        kept = lengths > 0
+        result.empty_documents[key] = int(len(docs) - kept.sum())
+        result.lengths[key] = lengths[kept]
+        result.tokens[key] = flat
+    return result
+
+
+def iter_chunks(paths: Sequence[str], chunk_lines: int,
+                chunk_bytes: int = CHUNK_MAX_BYTES) -> Iterator[Chunk]:
+    """Reads ``paths`` in order and cuts them into chunks of whole lines.
+
+    Lines are kept as bytes: workers decode them, so the main process does no per-line
+    work besides splitting at b"\\n". A chunk never spans two files, so its line numbers
+    are that file's.
+    """
+    for file_index, path in enumerate(paths):
+        lines: List[bytes] = []
+        size = 0
+        first_line = 1
+        with open(path, "rb") as stream:
+            for line_number, raw in enumerate(stream, start=1):
+                if not lines:
+                    first_line = line_number
+                lines.append(raw)
+                size += len(raw)
+                if len(lines) >= chunk_lines or size >= chunk_bytes:
+                    yield Chunk(file_index, first_line, lines)
+                    lines, size = [], 0
+        if lines:
+            yield Chunk(file_index, first_line, lines)
+
+
+# Worker-process state, set once per worker by _init_worker: loading the model per chunk
+# would cost more than tokenizing a small chunk.
+_worker_state: dict = {}
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # A worker waits for tasks on a pipe whose write end it holds too, so it would never
+    # see the main process die (SIGKILL, OOM kill) and would wait forever.
+    while os.getppid() == parent_pid:
+        time.sleep(ORPHAN_CHECK_INTERVAL_S)
+    os._exit(1)
+
+
+def _init_worker(model_path: str, keys: Sequence[str], eod_id: Optional[int]) -> None:
+    # The main process handles Ctrl-C and SIGTERM and then shuts the workers down; workers
+    # that also reacted would each print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    try:
+        _worker_state["tokenizer"] = load_sentencepiece(model_path)
+    except ToolError as err:
+        # Raised from the first task instead: an initializer that raises only kills the
+        # worker, and the main process would learn nothing about why.
+        _worker_state["error"] = err
+    _worker_state["keys"] = tuple(keys)
+    _worker_state["eod_id"] = eod_id
+
+
+def _encode_chunk_in_worker(chunk: Chunk) -> ChunkResult:
+    if "error" in _worker_state:
+        raise _worker_state["error"]
+    return encode_chunk(_worker_state["tokenizer"], chunk, _worker_state["keys"],
+                        _worker_state["eod_id"])
+
+
+def output_prefixes(output_prefix: str, keys: Sequence[str]) -> Dict[str, str]:
+    """Megatron-LM's dataset prefix per json key: ``{output_prefix}_{key}_document``."""
+    return {key: f"{output_prefix}_{key}_document" for key in keys}
+
+
+class DatasetWriter:
+    """Writes one megatron-core indexed dataset per json key, under temporary names.
+
+    ``commit`` renames the files to their final names; ``abort`` removes them. megatron-core
+    is imported only when the first document is written: the import takes seconds, and a
+    run that stops at a malformed first chunk does not need it.
+    """
+
+    def __init__(self, prefixes: Dict[str, str], vocab_size: int):
+        self._prefixes = prefixes
+        self._vocab_size = vocab_size
+        self._tmp_prefixes = {key: temporary_path(p) for key, p in prefixes.items()}
+        self._builders: Optional[dict] = None
+        self.documents = {key: 0 for key in prefixes}
+        self.tokens = {key: 0 for key in prefixes}
+        self.dtype = None
+
+    def _open(self) -> None:
+        with warnings.catch_warnings():
+            # megatron.core warns at import about optional GPU packages, irrelevant here.
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        # uint16 below 65500 ids halves the file; megatron-core picks the same on read.
+        self.dtype = DType.optimal_dtype(self._vocab_size)
+        self._builders = {}
+        for key, tmp in self._tmp_prefixes.items():
+            self._builders[key] = IndexedDatasetBuilder(tmp + ".bin", dtype=self.dtype)
+
+    @property
+    def is_open(self) -> bool:
+        return self._builders is not None
+
+    def add(self, result: ChunkResult) -> None:
+        """Appends the documents of a tokenized chunk."""
+        if not any(len(lengths) for lengths in result.lengths.values()):
+            return
+        if self._builders is None:
+            self._open()
+        for key, builder in self._builders.items():
+            tokens, lengths = result.tokens[key], result.lengths[key]
+            start = 0
+            for length in lengths.tolist():
+                builder.add_document(tokens[start:start + length], [length])
+                start += length
+            self.documents[key] += len(lengths)
+            self.tokens[key] += start
+
+    def commit(self) -> List[str]:
+        """Writes the indexes and moves the files to their final names.
+
+        Returns:
+            The final paths written.
+        """
+        if self._builders is None:
+            self._open()
+        for key, builder in self._builders.items():
+            builder.finalize(self._tmp_prefixes[key] + ".idx")
+        written = []
+        for key, tmp in self._tmp_prefixes.items():
+            # Each rename makes one whole file appear; the pair is not replaced in one step,
+            # so a prefix must not be read while it is being rewritten.
+            for suffix in (".bin", ".idx"):
+                os.replace(tmp + suffix, self._prefixes[key] + suffix)
+                written.append(self._prefixes[key] + suffix)
+        self._builders = None
+        return written
+
+    def abort(self) -> None:
+        """Closes and removes every temporary file."""
+        if self._builders is not None:
+            for builder in self._builders.values():
+                builder.data_file.close()
+        self._builders = None
+        remove_quietly([tmp + suffix for tmp in self._tmp_prefixes.values()
+                        for suffix in (".bin", ".idx")])
+
+
+class Progress:
+    """Counts documents and bytes; prints a line every ``interval`` documents."""
+
+    def __init__(self, interval: int):
+        self._interval = interval
+        self._next = interval
+        self._start = time.perf_counter()
+        self.documents = 0
+        self.bytes = 0
+
+    def update(self, documents: int, num_bytes: int) -> None:
+        self.documents += documents
+        self.bytes += num_bytes
+        if self.documents >= self._next:
+            self._next = (self.documents // self._interval + 1) * self._interval
+            log(f"processed {self.documents} documents ({self.rates()})")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    def rates(self) -> str:
+        seconds = max(self.elapsed(), 1e-9)
+        return f"{self.documents / seconds:.1f} docs/s, {self.bytes / seconds / 1e6:.2f} MB/s"
+
+
+def expand_inputs(patterns: Sequence[str]) -> List[str]:
+    """The input files: each pattern is a path or a glob (expanded in sorted order)."""
+    paths: List[str] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+            if not matches:
+                raise ToolError(f"--input {pattern}: no file matches this pattern")
+            paths.extend(matches)
+        else:
+            check_input_file(pattern, "--input")
+            paths.append(pattern)
+    return paths
+
+
+def build_parser() -> ToolArgumentParser:
+    """The command-line parser; --help describes every flag."""
+    parser = ToolArgumentParser(
+        prog="tools/preprocess_data.py",
+        description="Tokenize jsonl documents into megatron-core .bin/.idx files "
+                    "(Megatron-LM's preprocess_data.py flags and file names).",
+    )
+    group = parser.add_argument_group("input")
+    group.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                       help="jsonl files, one JSON object per line; globs such as "
+                            "'data/*.jsonl' are expanded in sorted order. All inputs go into "
+                            "one dataset, in the order given")
+    group.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                       help="keys to tokenize; each key becomes its own dataset "
+                            "{output-prefix}_{KEY}_document (default: %(default)s)")
+    group.add_argument("--on-error", choices=["fail", "skip"], default="fail",
+                       help="a malformed line (invalid JSON, missing key, value not a "
+                            "string): fail stops with its file:line and writes nothing; skip "
+                            "warns, leaves the line out and counts it (default: %(default)s)")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                       default="GPTSentencePieceTokenizer",
+                       help="both encode with the SentencePiece model as it is and use its "
+                            "</s> id as end-of-document. (Megatron-LM's "
+                            "SentencePieceTokenizer instead adds an <EOD> id past the "
+                            "vocabulary; that is not reproduced here.) Default: %(default)s")
+    group.add_argument("--tokenizer-model", required=True, metavar="PATH.model",
+                       help="SentencePiece model, e.g. from tools/train_tokenizer.py")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the end-of-document id (</s>) to every document")
+    group = parser.add_argument_group("output")
+    group.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                       help="writes PREFIX_{KEY}_document.bin/.idx; the directory is created "
+                            "if missing, existing files of that name are replaced")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                       help="tokenizing processes, besides the main process that reads and "
+                            "writes; the output does not depend on N (default: %(default)s)")
+    group.add_argument("--chunk-lines", type=positive_int, default=256, metavar="N",
+                       help="lines per task sent to a worker; a task also ends at "
+                            f"{CHUNK_MAX_BYTES // (1 << 20)} MiB (default: %(default)s)")
+    group.add_argument("--log-interval", type=positive_int, default=1000, metavar="N",
+                       help="print progress every N documents, checked after each chunk "
+                            "(default: %(default)s)")
+    return parser
+
+
+def _report_malformed(result: ChunkResult, paths: Sequence[str], on_error: str,
+                      skipped_so_far: int) -> None:
+    """Raises on the chunk's first malformed line, or warns about the lines it skips."""
+    path = paths[result.file_index]
+    if on_error == "fail":
+        line_number, message = result.errors[0]
+        raise ToolError(f"{path}:{line_number}: {message}; fix the line, or pass "
+                        "--on-error skip to leave malformed lines out")
+    for index, (line_number, message) in enumerate(result.errors):
+        shown = skipped_so_far + index
+        if shown < MAX_PRINTED_WARNINGS:
+            log(f"warning: {path}:{line_number}: {message}; skipping the line")
+        elif shown == MAX_PRINTED_WARNINGS:
+            log("warning: more malformed lines; only counting them from now on")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Tokenizes the inputs into the datasets named by the command line.
+
+    Raises:
+        ToolError: bad input; ``run_tool`` prints it and exits with status 2.
+    """
+    args = build_parser().parse_args(argv)
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise ToolError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
+    paths = expand_inputs(args.input)
+    tokenizer = load_sentencepiece(args.tokenizer_model)
+    eod_id = None
+    if args.append_eod:
+        eod_id = tokenizer.eos_id()
+        if eod_id < 0:
+            raise ToolError(f"--append-eod: --tokenizer-model {args.tokenizer_model} has no "
+                            "</s> piece; train it with tools/train_tokenizer.py")
+    if args.output_prefix.endswith(os.sep) or os.path.isdir(args.output_prefix):
+        raise ToolError(f"--output-prefix {args.output_prefix} is a directory; give a path "
+                        "prefix such as data/corpus")
+    prefixes = output_prefixes(args.output_prefix, args.json_keys)
+    ensure_parent_dir(args.output_prefix)
+    log(f"tokenizing {len(paths)} file(s) with {args.workers} worker(s); vocab "
+        f"{tokenizer.vocab_size()}, EOD {'id ' + str(eod_id) if eod_id is not None else 'off'}")
+
+    writer = DatasetWriter(prefixes, tokenizer.vocab_size())
+    progress = Progress(args.log_interval)
+    malformed = 0
+    empty = {key: 0 for key in args.json_keys}
+
+    def write(result: ChunkResult) -> None:
+        nonlocal malformed
+        if result.errors:
+            _report_malformed(result, paths, args.on_error, malformed)
+            malformed += len(result.errors)
+        writer.add(result)
+        for key in args.json_keys:
+            empty[key] += result.empty_documents[key]
+        progress.update(result.num_lines, result.num_bytes)
+
+    # A process pool with an ordered window of futures, rather than multiprocessing.Pool's
+    # imap: the same input order (so the output does not depend on --workers), but memory
+    # stays bounded (imap buffers every finished result), and a worker that dies (e.g.
+    # killed for lack of memory) raises BrokenProcessPool where imap would wait forever.
+    # The workers start before megatron-core (and torch) is imported here, so each is a
+    # small process with only numpy and sentencepiece.
+    executor = ProcessPoolExecutor(max_workers=args.workers, initializer=_init_worker,
+                                   initargs=(args.tokenizer_model, args.json_keys, eod_id))
+    pending: Deque[Future] = collections.deque()
+    steady_ahead = CHUNKS_AHEAD_PER_WORKER * args.workers
+    committed = False
+    try:
+        for chunk in iter_chunks(paths, args.chunk_lines):
+            pending.append(executor.submit(_encode_chunk_in_worker, chunk))
+            while len(pending) >= (steady_ahead if writer.is_open
+                                   else max(steady_ahead, CHUNKS_AHEAD_AT_START)):
+                write(pending.popleft().result())
+        while pending:
+            write(pending.popleft().result())
+        if sum(writer.documents.values()) == 0:
+            raise ToolError(f"no document to write: the {progress.documents} input lines "
+                            "were all malformed or empty; check --input and --json-keys")
+        written = writer.commit()
+        committed = True
+    except BrokenProcessPool:
+        raise ToolError("a worker process died (killed, e.g. for lack of memory); nothing "
+                        "was written. Retry with fewer --workers") from None
+    finally:
+        if not committed:
+            for future in pending:
+                future.cancel()
+            writer.abort()
+        # Waits for the chunks the workers are tokenizing right now (a fraction of a
+        # second each) and stops them.
+        executor.shutdown(wait=True, cancel_futures=True)
+
+    log(f"done: {progress.documents} documents in {progress.elapsed():.1f} s "
+        f"({progress.rates()})")
+    for key in args.json_keys:
+        log(f"  {prefixes[key]}: {writer.documents[key]} documents, {writer.tokens[key]} "
+            f"tokens ({np.dtype(writer.dtype).name}); {empty[key]} empty documents skipped")
+    if malformed:
+        log(f"skipped {malformed} malformed line(s) (--on-error skip)")
+    log("wrote " + ", ".join(written))
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))
