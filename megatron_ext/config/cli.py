@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import typing
 from typing import List, Optional, Sequence
 
@@ -120,9 +119,3 @@ def parse_data_path(items: List[str]) -> List[tuple]:
     if any(w <= 0 for w, _ in pairs):
         raise UsageError("--data-path: weights must be positive")
     return pairs
-
-
-def main_usage_error(err: UsageError) -> int:
-    """Prints a usage error as one line and returns the exit status."""
-    print(f"error: {err}", file=sys.stderr, flush=True)
-    return UsageError.exit_code

@@ -156,22 +156,8 @@ def install() -> None:
         if torch.cuda.is_available():
             raise RuntimeError("cpu_compat must not be installed when CUDA is used")
         _patch_torch_cuda()
-        # The mode is entered for the life of the process; torch keeps a per-thread
-        # mode stack, so threads we start enter it through `thread_context()`.
+        # The mode is entered for the life of the process. torch keeps one mode stack per
+        # thread: code that runs megatron-core in threads of its own must enter
+        # CudaToCpuMode there too.
         CudaToCpuMode().__enter__()
         _installed = True
-
-
-def installed() -> bool:
-    """Whether the CPU compatibility layer is active in this process."""
-    return _installed
-
-
-@contextlib.contextmanager
-def thread_context():
-    """Enters the CUDA-to-CPU mode in a worker thread (a no-op when not installed)."""
-    if not _installed:
-        yield
-        return
-    with CudaToCpuMode():
-        yield

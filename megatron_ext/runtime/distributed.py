@@ -34,11 +34,6 @@ class Runtime:
         """Whether the run trains on the CPU."""
         return self.device.type == "cpu"
 
-    @property
-    def is_last_rank(self) -> bool:
-        """Whether this is the highest global rank."""
-        return self.rank == self.world_size - 1
-
 
 def resolve_device(choice: str) -> torch.device:
     """Maps --device to a torch device (auto: cuda when a GPU is visible)."""

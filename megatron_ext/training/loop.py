@@ -6,6 +6,7 @@ The loop never names a training mode: offload and ZenFlow enter through
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -14,6 +15,7 @@ import warnings
 
 import torch
 
+from megatron_ext.data.datasets import build_loader
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import (
     MetricsWriter,
@@ -91,7 +93,7 @@ class Trainer:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.timers import Timers
 
-        from megatron_ext.data.datasets import build_datasets, build_loader
+        from megatron_ext.data.datasets import build_datasets
         from megatron_ext.data.tokenizer import build_tokenizer
         from megatron_ext.model import build_model, padded_vocab_size
         from megatron_ext.runtime.distributed import initialize
@@ -100,7 +102,6 @@ class Trainer:
         self.cfg = cfg
         self.runtime = rt = initialize(cfg)
         _setup_logging(rt.rank)
-        self.build_loader = build_loader
         tokenizer = build_tokenizer(cfg.data)
         load_dir = ckpt.resolve_load_dir(cfg)
         self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
@@ -120,7 +121,7 @@ class Trainer:
         self.num_params = num_parameters(cfg, self.vocab_size)
         self.num_microbatches = cfg.training.global_batch_size // (
             cfg.training.micro_batch_size * rt.dp)
-        self.writer = MetricsWriter(cfg, rt, enabled=rt.rank == 0)
+        self.writer = MetricsWriter(cfg, enabled=rt.rank == 0)
         log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d), %.2fM parameters, vocab %d "
                  "(padded from %d), %d micro-batches per iteration",
                  rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp, self.num_params / 1e6,
@@ -138,23 +139,19 @@ class Trainer:
         if par.overlap_param_gather:
             config.param_sync_func = self.model[0].start_param_sync
 
-    def _sync_params_for(self):
-        """Context for eval/save: with overlapped param gather, gather before use."""
-        trainer = self
-
-        class _Ctx:
-            def __enter__(self):
-                if trainer.cfg.parallel.overlap_param_gather:
-                    for chunk in trainer.model:
-                        chunk.disable_forward_pre_hook(param_sync=True)
-
-            def __exit__(self, *exc):
-                if trainer.cfg.parallel.overlap_param_gather:
-                    for chunk in trainer.model:
-                        chunk.enable_forward_pre_hook()
-                return False
-
-        return _Ctx()
+    @contextlib.contextmanager
+    def _params_gathered(self):
+        """For eval and save: with overlapped param gather, gather the parameters first."""
+        overlap = self.cfg.parallel.overlap_param_gather
+        if overlap:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            if overlap:
+                for chunk in self.model:
+                    chunk.enable_forward_pre_hook()
 
     def _synchronize(self) -> None:
         if not self.runtime.is_cpu:
@@ -192,7 +189,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg = self.cfg
-        loader = self.build_loader(self.valid_ds, 0, cfg, self.runtime)
+        loader = build_loader(self.valid_ds, 0, cfg, self.runtime)
         if loader is None or len(loader) < cfg.training.eval_iters * self.num_microbatches:
             return float("nan")
         it = iter(loader)
@@ -201,7 +198,7 @@ class Trainer:
             chunk.eval()
         # The schedule's forward timers belong to training: evaluation must not add to them.
         timers, self.config.timers = self.config.timers, None
-        with torch.no_grad(), self._sync_params_for():
+        with torch.no_grad(), self._params_gathered():
             for _ in range(cfg.training.eval_iters):
                 losses = get_forward_backward_func()(
                     forward_step_func=functools.partial(_forward_step, self.runtime.device),
@@ -219,7 +216,7 @@ class Trainer:
         if not self.cfg.checkpoint.save:
             return
         watch = Stopwatch()
-        with self._sync_params_for():
+        with self._params_gathered():
             path = ckpt.save_checkpoint(self.cfg.checkpoint.save, self.state, self.model,
                                         self.optimizer, self.scheduler, self.cfg, self.runtime)
         self.last_saved = self.state.iteration
@@ -260,7 +257,7 @@ class Trainer:
         """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
         cfg, rt = self.cfg, self.runtime
         train = cfg.training
-        loader = self.build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
+        loader = build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
         data_iterator = iter(loader)
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)

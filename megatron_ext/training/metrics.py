@@ -40,7 +40,7 @@ def num_parameters(cfg, vocab_size: int) -> int:
 class MetricsWriter:
     """Writes the breakdown records (rank 0 only; other ranks hold a disabled writer)."""
 
-    def __init__(self, cfg, runtime, enabled: bool):
+    def __init__(self, cfg, enabled: bool):
         self.enabled = enabled
         self.cfg = cfg
         self._jsonl = None
