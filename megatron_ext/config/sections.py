@@ -265,7 +265,8 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     data_cache_path: Optional[str] = None
-    """Directory for the dataset index caches (default: next to the data)."""
+    """Directory for megatron-core's dataset index caches (default: megatron-core's
+    choice, a folder PREFIX/cache beside each data prefix)."""
 
     def __post_init__(self):
         _positive(self, "vocab_size")
