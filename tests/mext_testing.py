@@ -24,6 +24,8 @@ TINY = [
     "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
     "--eval-iters", "0", "--device", "cpu", "--wandb-mode", "disabled", "--seed", "1234",
 ]
+# The same tiny GPT on the GPU (tests/gpu).
+GPU_TINY = [a if a != "cpu" else "cuda" for a in TINY]
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mext_testing import (
-    TINY,
+    GPU_TINY,
     losses_of,
     precision_flags,
     read_metrics,
@@ -17,8 +17,6 @@ from mext_testing import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
-
-GPU_TINY = [a if a != "cpu" else "cuda" for a in TINY]
 
 
 def test_bf16_trains_on_cuda_and_loss_falls(tmp_path):

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mext_testing import TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
+from mext_testing import GPU_TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs two CUDA GPUs (run tests/gpu on the two-GPU machine)")
-
-GPU_TINY = [a if a != "cpu" else "cuda" for a in TINY]
 
 
 @pytest.mark.parametrize("layout", [
