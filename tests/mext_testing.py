@@ -81,7 +81,7 @@ def read_metrics(path) -> List[dict]:
 
 def train_losses(path) -> List[float]:
     """lm loss of each logged training iteration (log interval 1), in order."""
-    return [r["lm_loss"] for r in read_metrics(path) if "lm_loss" in r]
+    return losses_of(read_metrics(path))
 
 
 def precision_flags(precision: str) -> List[str]:
@@ -105,6 +105,11 @@ def straight_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: in
     run_pretrain([*flags, "--load", str(ckpt), *load_flags, "--metrics-path", str(second)],
                  nproc=nproc)
     return read_metrics(straight), read_metrics(first) + read_metrics(second)
+
+
+def assert_loss_falls(losses: Sequence[float]) -> None:
+    """The mean of the last three losses is at least 10% below that of the first three."""
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
 
 
 def losses_of(records) -> List[float]:
