@@ -16,6 +16,7 @@ from megatron_ext.config.sections import (
     TrainingConfig,
 )
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.config import OffloadConfig
 
 
 @dataclasses.dataclass
@@ -26,6 +27,7 @@ class RunConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -69,6 +71,15 @@ class RunConfig:
             raise UsageError("--optimizer-cpu-offload supports --optimizer adam only")
         if self.training.fp16 and opt.optimizer_cpu_offload:
             raise UsageError("--optimizer-cpu-offload does not support --fp16; use --bf16")
+        if self.offload.offload_optimizer:
+            if not self.parallel.use_distributed_optimizer:
+                raise UsageError("--offload-optimizer offloads the distributed optimizer's shard: "
+                                 "add --use-distributed-optimizer")
+            if opt.optimizer_cpu_offload:
+                raise UsageError("--offload-optimizer and --optimizer-cpu-offload are two "
+                                 "offloads of the same states; choose one")
+            if opt.optimizer != "adam":
+                raise UsageError("--offload-optimizer supports --optimizer adam only")
         model = self.model
         if model.recompute_granularity == "selective" and model.attention_backend == "sdpa" \
                 and model.transformer_impl == "local":

@@ -25,7 +25,11 @@ import numpy as np
 import torch
 
 from megatron_ext.errors import UsageError
-from megatron_ext.training.optimizer import inner_torch_optimizers
+from megatron_ext.training.optimizer import (
+    inner_torch_optimizers,
+    load_external_state,
+    save_external_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +185,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         "world_size": runtime.world_size,
     })
     dist_checkpointing.save(state, tmp, content_metadata=dict(_SHARDING))
+    save_external_state(optimizer, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(runtime), os.path.join(tmp, "rng", f"rank_{runtime.rank:05d}.pt"))
     torch.distributed.barrier()
@@ -247,6 +252,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime)
         # fp32 masters can be views of the model's leaf parameters: copy without autograd.
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
+        load_external_state(optimizer, path)
         _fix_step_counts(optimizer, train_state.optimizer_steps)
     else:
         # The fp32 masters were built from the initial weights: rebuild them from the

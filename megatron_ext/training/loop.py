@@ -25,6 +25,7 @@ from megatron_ext.training.metrics import (
     memory_stats,
     num_parameters,
 )
+from megatron_ext.training.optimizer import close_optimizer, optimizer_metrics
 from megatron_ext.training.signals import ExitSignalHandler
 
 log = logging.getLogger("megatron_ext")
@@ -248,6 +249,7 @@ class Trainer:
             "throughput/tflops_per_gpu": 6.0 * self.num_params * tokens / per_iter
             / rt.world_size / 1e12,
         }
+        record.update(optimizer_metrics(self.optimizer))
         record.update(memory_stats(rt))
         if rt.rank == 0:
             print(format_line(record, cfg.training.train_iters), flush=True)
@@ -314,7 +316,8 @@ class Trainer:
                            "eval/lm_ppl": ppl})
 
     def close(self) -> None:
-        """Closes the metrics writers."""
+        """Closes the metrics writers and the optimizer's threads and files."""
+        close_optimizer(self.optimizer)
         self.writer.close()
 
 

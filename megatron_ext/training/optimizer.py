@@ -54,6 +54,11 @@ def build_optimizer(cfg, model_chunks, runtime):
     if cfg.optimizer.optimizer_cpu_offload and runtime.is_cpu:
         raise UsageError("--optimizer-cpu-offload is megatron-core's GPU-to-host offload and "
                          "needs a GPU; on the CPU the optimizer states are already in host memory")
+    if cfg.offload.offload_optimizer:
+        from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
+
+        with offloaded_distributed_optimizer(cfg.offload, runtime.rank):
+            return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
 
 
@@ -80,12 +85,51 @@ def build_scheduler(cfg, optimizer):
     )
 
 
+def _chain(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def inner_torch_optimizers(optimizer):
-    """The torch optimizers inside a (chained) megatron-core optimizer."""
-    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    """The torch optimizers inside a (chained) megatron-core optimizer.
+
+    Optimizers that keep their states themselves (``owns_optimizer_states``, e.g. the
+    offload engine's) are left out: their torch optimizer only holds the param groups.
+    """
     inner = []
-    for opt in chain:
+    for opt in _chain(optimizer):
+        if getattr(opt, "owns_optimizer_states", False):
+            continue
         torch_opt = getattr(opt, "optimizer", None)
         if isinstance(torch_opt, torch.optim.Optimizer):
             inner.append(torch_opt)
     return inner
+
+
+def save_external_state(optimizer, checkpoint_dir: str) -> None:
+    """Lets optimizers that keep state outside dist_checkpointing write it (offload files)."""
+    for opt in _chain(optimizer):
+        if hasattr(opt, "save_offloaded_state"):
+            opt.save_offloaded_state(checkpoint_dir)
+
+
+def load_external_state(optimizer, checkpoint_dir: str) -> None:
+    """Restores what :func:`save_external_state` wrote."""
+    for opt in _chain(optimizer):
+        if hasattr(opt, "load_offloaded_state"):
+            opt.load_offloaded_state(checkpoint_dir)
+
+
+def optimizer_metrics(optimizer) -> dict:
+    """Per-iteration metrics the optimizer reports itself (e.g. ``offload/*``), then reset."""
+    record = {}
+    for opt in _chain(optimizer):
+        if hasattr(opt, "metrics"):
+            record.update(opt.metrics())
+    return record
+
+
+def close_optimizer(optimizer) -> None:
+    """Stops optimizer threads and removes temporary state (offload tier files)."""
+    for opt in _chain(optimizer):
+        if hasattr(opt, "close"):
+            opt.close()

@@ -1,0 +1,83 @@
+"""The offload engine's config (``--offload-*`` flags)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from megatron_ext.config.fields import option
+from megatron_ext.errors import UsageError
+
+
+@dataclasses.dataclass
+class OffloadConfig:
+    """Tiered offload of the distributed optimizer's fp32 states (MLP-Offload techniques)."""
+
+    offload_optimizer: bool = False
+    """Move the fp32 master weights and Adam moments of this rank's distributed-optimizer
+    shard off the model's device: into a host cache and, with --offload-paths, into files
+    on a third tier of directories. CPU Adam updates them subgroup by subgroup; the GPU
+    keeps only the training-dtype weights and gradients. Needs --use-distributed-optimizer."""
+    offload_paths: List[str] = option(default_factory=list, nargs="+",
+                                      metavar="DIR[@READ_GBPS,WRITE_GBPS]")
+    """Directories of the third tier (node-local NVMe, parallel-file-system scratch, ...).
+    Subgroups that do not fit in the host cache live there as files, placed in proportion
+    to each path's bandwidth: measured by a short probe at start, or given as
+    DIR@READ_GBPS,WRITE_GBPS (tools/probe_tiers.py prints the value to use). Each job
+    writes under DIR/megatron_ext-USER/JOB/rankNNNNN (owner-only). With no path, every
+    state stays in host memory."""
+    offload_host_cache_gb: Optional[float] = None
+    """Host memory, in GB per rank, for subgroup states (cache plus pipeline buffers).
+    Default: everything in host memory when there is no --offload-paths, else three
+    subgroups (the minimum that overlaps fetch, update and flush). Pinned on GPU machines."""
+    offload_subgroup_size: int = 100_000_000
+    """Elements per subgroup: the unit of fetch, update and flush (12 bytes of state per
+    element). Smaller subgroups pipeline more finely but do more, smaller I/O."""
+    offload_placement: str = option("bandwidth", choices=("bandwidth", "round-robin"))
+    """How subgroups are spread over --offload-paths: bandwidth (each path's share of bytes
+    proportional to its bandwidth, interleaved; MLP-Offload's rule) or round-robin."""
+    offload_rebalance: bool = option(True, negate="--no-offload-rebalance")
+    """Track each path's observed throughput every step and move subgroups off a path
+    that slows down (contention), with hysteresis."""
+    offload_alternate_order: bool = option(True, negate="--no-offload-alternate-order")
+    """Walk the subgroups ascending on one step and descending on the next, so each step
+    starts on the subgroups the previous one left in the host cache."""
+    offload_delayed_grad_conversion: bool = option(
+        True, negate="--no-offload-delayed-grad-conversion")
+    """Move gradients to the host in the training dtype and convert them to fp32 inside
+    their subgroup's update. Off: the whole shard's gradients are converted to fp32 first
+    and, for subgroups outside the cache, written to and read back from the tier (what
+    ZeRO-Infinity does)."""
+    offload_concurrency_control: bool = option(True, negate="--no-offload-concurrency-control")
+    """Let one process of a node at a time do I/O on a given path (a node-local file lock
+    the kernel releases if its holder dies); threads within the process still share it."""
+    offload_io_threads: int = 4
+    """Threads per file read or write."""
+    offload_direct_io: bool = False
+    """Open state files with O_DIRECT (bypass the page cache; aligned buffers, unaligned
+    tails handled). Falls back to buffered I/O where the file system refuses it."""
+    offload_checksum: str = option("xxh3", choices=("xxh3", "crc32c", "none"))
+    """Checksum written with each state file and verified on every read."""
+    offload_run_id: Optional[str] = None
+    """Name of this job's directory under each path. Default: the Slurm job id, else
+    torchrun's run id, else a fresh id."""
+
+    def __post_init__(self):
+        if self.offload_subgroup_size <= 0:
+            raise UsageError("--offload-subgroup-size must be positive")
+        if self.offload_io_threads <= 0:
+            raise UsageError("--offload-io-threads must be positive")
+        if self.offload_host_cache_gb is not None and self.offload_host_cache_gb <= 0:
+            raise UsageError("--offload-host-cache-gb must be positive")
+        if not self.offload_optimizer:
+            changed = [f.name for f in dataclasses.fields(self) if f.name != "offload_optimizer"
+                       and getattr(self, f.name) != (
+                           f.default if f.default is not dataclasses.MISSING
+                           else f.default_factory())]
+            if changed:
+                raise UsageError(f"--{changed[0].replace('_', '-')} needs --offload-optimizer")
+        if self.offload_paths:
+            from megatron_ext.offload.tiers import parse_tier_spec
+
+            for text in self.offload_paths:
+                parse_tier_spec(text)

@@ -1,0 +1,722 @@
+"""The update pipeline of the offload engine.
+
+One rank's optimizer shard is cut into subgroups (:mod:`.subgroups`). Each subgroup's
+fp32 state (master weights, exp_avg, exp_avg_sq: one buffer of 3n floats) lives in the
+host cache (:mod:`.cache`) or in a file on one of the tier paths (:mod:`.tiers`,
+:mod:`.io`). A step walks the subgroups (ascending, then descending on the next step:
+alternating order) and for each one, overlapped with threads:
+
+    prefetch k+1 from its path  |  update k: gradients to the host in the training dtype,
+                                |  converted to fp32 here (delayed conversion), CPU Adam,
+                                |  new weights back to the model in its dtype
+    flush an evicted subgroup   |
+
+Nothing fp32 of the shard stays on the model's device. The engine is device-agnostic:
+with CPU tensors it runs in CI; with CUDA it uses pinned buffers, copy streams and events.
+It never imports megatron-core: :mod:`.optimizer` hands it the shard's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch.optim.adam import adam
+
+from megatron_ext.errors import UsageError
+from megatron_ext.offload.cache import HostCache
+from megatron_ext.offload.config import OffloadConfig
+from megatron_ext.offload.io import OffloadStateError, StateFileIO, aligned_empty, secure_makedirs
+from megatron_ext.offload.locks import NodeLocks
+from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
+from megatron_ext.offload.tiers import (
+    Rebalancer,
+    TierSpec,
+    check_free_space,
+    place_subgroups,
+)
+
+log = logging.getLogger(__name__)
+
+STATE_BYTES_PER_ELEMENT = 12
+MANIFEST_VERSION = 1
+# Errors of a path (not of the data) after which a write may go to another path.
+_PATH_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES,
+                errno.EIO, errno.ENOTDIR, errno.ESTALE}
+TRACE_ENV = "MEGATRON_EXT_OFFLOAD_TRACE"
+
+
+@dataclasses.dataclass
+class ShardParam:
+    """One parameter's part of the rank's shard, as the engine sees it."""
+
+    numel: int
+    group: int
+    """Index of its optimizer param group (lr, weight decay, betas, eps)."""
+    grad: Callable[[], torch.Tensor]
+    """Returns the shard's reduce-scattered gradient (training dtype, model device)."""
+    out: torch.Tensor
+    """Where the updated weights go: the shard's slice of the model's param buffer."""
+    init: Callable[[], torch.Tensor]
+    """Returns the shard's current model weights (to build fp32 masters from)."""
+
+
+class _StepStats:
+    """Seconds and bytes of one logging interval."""
+
+    def __init__(self, n_paths: int):
+        self.lock = threading.Lock()
+        self.n_paths = n_paths
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.time = {k: 0.0 for k in ("fetch", "convert", "update", "writeback", "flush",
+                                      "stall", "step")}
+        self.hits = 0
+        self.needed = 0
+        self.read_bytes = [0] * self.n_paths
+        self.read_s = [0.0] * self.n_paths
+        self.write_bytes = [0] * self.n_paths
+        self.write_s = [0.0] * self.n_paths
+
+    def add(self, key: str, seconds: float) -> None:
+        with self.lock:
+            self.time[key] += seconds
+
+
+class OffloadEngine:
+    """Owns the fp32 state of one rank's shard and updates it subgroup by subgroup."""
+
+    def __init__(self, cfg: OffloadConfig, params: Sequence[ShardParam], *, rank: int,
+                 device: torch.device, tiers: Sequence[TierSpec], run_id: str,
+                 model_dtype: torch.dtype, grad_dtype: torch.dtype):
+        self.cfg = cfg
+        self.params = list(params)
+        self.rank = rank
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.model_dtype, self.grad_dtype = model_dtype, grad_dtype
+        numels = [p.numel for p in self.params]
+        groups = [p.group for p in self.params]
+        self.subgroups: List[Subgroup] = partition(numels, groups, cfg.offload_subgroup_size)
+        self.fingerprint = layout_fingerprint(numels, groups, cfg.offload_subgroup_size)
+        self.max_numel = max((sg.numel for sg in self.subgroups), default=0)
+        self.total_numel = sum(numels)
+        self.step_count = 0
+        self.initialized = False
+        # torch's fused CPU AdamW is several times faster; its rounding differs from the
+        # reference implementation in the last bit, and on a CPU run the reference is what
+        # megatron-core's own optimizer uses, so CPU runs stay bit-identical to it.
+        self.fused_adam = self.is_cuda
+        self._trace_path = os.environ.get(TRACE_ENV)
+
+        self.tiers = list(tiers)
+        self.stats = _StepStats(len(self.tiers))
+        self.io = StateFileIO(threads=cfg.offload_io_threads, direct_io=cfg.offload_direct_io,
+                              checksum=cfg.offload_checksum)
+        # One I/O operation per path at a time on this node (its threads inside it).
+        self.locks = NodeLocks(enabled=cfg.offload_concurrency_control)
+        self._lock_wait_seen = 0.0
+        self.rank_dirs = [os.path.join(t.path, f"megatron_ext-{_user()}", run_id,
+                                       f"rank{rank:05d}") for t in self.tiers]
+        for directory in self.rank_dirs:
+            self._prepare_rank_dir(directory)
+        self._bad_paths: set = set()
+        self.capacity = self._cache_capacity()
+        sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
+        if self.tiers:
+            weights = [t.effective_gbps for t in self.tiers]
+            free = [check_free_space(t.path, 0) for t in self.tiers]
+            self.home = place_subgroups(sizes, weights, cfg.offload_placement, capacity=free)
+            self.rebalancer = (Rebalancer(weights) if cfg.offload_rebalance and len(self.tiers) > 1
+                               else None)
+        else:
+            self.home = [None] * len(self.subgroups)
+            self.rebalancer = None
+        # Where each subgroup's current file is (None: never written), and the step of
+        # the state it holds (checked against the file's header on every read).
+        self.location: List[Optional[int]] = [None] * len(self.subgroups)
+        self.version: List[int] = [0] * len(self.subgroups)
+        self.cache = HostCache(self.capacity, self._alloc_state)
+        # Without delayed conversion: each subgroup's fp32 gradients of this step, in host
+        # memory (a tensor) or in a file on the path of that index (an int).
+        self._grad_files: Dict[int, object] = {}
+        self._flushes: List[Future] = []
+        self._io_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-fetch")
+        self._flush_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-flush")
+        self._scratch = torch.empty(self.max_numel, dtype=torch.float32)
+        if self.is_cuda:
+            self._d2h = torch.cuda.Stream(device)
+            self._h2d = torch.cuda.Stream(device)
+            self._grad_stage = [torch.empty(self.max_numel, dtype=grad_dtype, pin_memory=True)
+                                for _ in range(2)]
+            self._grad_events = [None, None]
+            self._out_stage = [torch.empty(self.max_numel, dtype=model_dtype, pin_memory=True)
+                               for _ in range(2)]
+            self._out_events = [None, None]
+
+    # ----------------------------------------------------------------- setup helpers
+
+    def _prepare_rank_dir(self, directory: str) -> None:
+        secure_makedirs(directory)
+        # A requeued job of the same id finds its previous incarnation's files: the state
+        # comes from the checkpoint, so they are stale.
+        for name in os.listdir(directory):
+            if name.startswith("sg") or name.startswith(".sg"):
+                os.unlink(os.path.join(directory, name))
+
+    def _cache_capacity(self) -> Optional[int]:
+        cfg = self.cfg
+        n = len(self.subgroups)
+        per_buffer = self.max_numel * STATE_BYTES_PER_ELEMENT
+        if cfg.offload_host_cache_gb is None:
+            return None if not self.tiers else min(n, 3)
+        fits = int(cfg.offload_host_cache_gb * 1e9 // max(per_buffer, 1))
+        if not self.tiers:
+            if fits < n:
+                raise UsageError(
+                    f"--offload-host-cache-gb {cfg.offload_host_cache_gb:g} holds {fits} of the "
+                    f"{n} subgroups of this rank and there is no --offload-paths for the rest: "
+                    "give at least "
+                    f"{n * per_buffer / 1e9:.2f} GB, or add --offload-paths DIR")
+            return None
+        if fits < min(n, 3):
+            raise UsageError(
+                f"--offload-host-cache-gb {cfg.offload_host_cache_gb:g} holds {fits} subgroups of "
+                f"{per_buffer / 1e9:.2f} GB; the pipeline needs 3: give at least "
+                f"{3 * per_buffer / 1e9:.2f} GB or a smaller --offload-subgroup-size")
+        return min(n, fits)
+
+    def _alloc_state(self) -> torch.Tensor:
+        return aligned_empty(self.max_numel * STATE_BYTES_PER_ELEMENT, dtype=torch.float32,
+                             pin=self.is_cuda)
+
+    # ----------------------------------------------------------------- order
+
+    def order(self, step: int) -> List[int]:
+        """Subgroup order of ``step`` (1-based): with alternation, descending on odd steps."""
+        ids = list(range(len(self.subgroups)))
+        if self.cfg.offload_alternate_order and step % 2 == 1:
+            ids.reverse()
+        return ids
+
+    # ----------------------------------------------------------------- files and I/O
+
+    def _file(self, subgroup: int, path: int, kind: str = "state") -> str:
+        return os.path.join(self.rank_dirs[path], f"sg{subgroup:05d}.{kind}")
+
+    def _trace(self, op: str, path: int, start: float, end: float) -> None:
+        if not self._trace_path:
+            return
+        line = f"{os.getpid()} {self.rank} {op} {self.tiers[path].path} {start:.6f} {end:.6f}\n"
+        fd = os.open(self._trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def _read(self, subgroup: int, buffer: torch.Tensor, kind: str = "state") -> None:
+        path = self.location[subgroup] if kind == "state" else self._grad_files[subgroup]
+        sg = self.subgroups[subgroup]
+        width = 3 if kind == "state" else 1
+        out = buffer[:width * sg.numel]
+        name = self._file(subgroup, path, kind)
+        with self.locks.hold(self.tiers[path].path):
+            start = time.perf_counter()
+            t0 = time.monotonic()
+            try:
+                step = self.io.read(name, out, rank=self.rank, subgroup=subgroup,
+                                    elements=sg.numel)
+            except FileNotFoundError:
+                raise OffloadStateError(
+                    f"offload state file {name} is missing (was {self.tiers[path].path} "
+                    "removed or cleaned?): restart from the last checkpoint with --load"
+                ) from None
+            seconds = time.perf_counter() - start
+            self._trace("read", path, t0, time.monotonic())
+        if kind == "state" and step != self.version[subgroup]:
+            raise OffloadStateError(f"offload state file {name} belongs to step {step}, expected "
+                                    f"{self.version[subgroup]}: restart from the last checkpoint")
+        nbytes = out.numel() * 4
+        with self.stats.lock:
+            self.stats.read_bytes[path] += nbytes
+            self.stats.read_s[path] += seconds
+            self.stats.time["fetch"] += seconds
+        if self.rebalancer is not None:
+            self.rebalancer.observe(path, nbytes, seconds)
+
+    def _write(self, subgroup: int, buffer: torch.Tensor, kind: str = "state") -> None:
+        """Writes a subgroup's file to its home path; spills to another path on a path error."""
+        sg = self.subgroups[subgroup]
+        width = 3 if kind == "state" else 1
+        payload = buffer[:width * sg.numel]
+        nbytes = payload.numel() * 4
+        while True:
+            path = self.home[subgroup]
+            name = self._file(subgroup, path, kind)
+            try:
+                with self.locks.hold(self.tiers[path].path):
+                    start = time.perf_counter()
+                    t0 = time.monotonic()
+                    self.io.write(name, payload, rank=self.rank, subgroup=subgroup,
+                                  elements=sg.numel, step=self.version[subgroup])
+                    seconds = time.perf_counter() - start
+                    self._trace("write", path, t0, time.monotonic())
+                break
+            except OSError as err:
+                if err.errno not in _PATH_ERRNOS:
+                    raise
+                self._spill(subgroup, path, nbytes, err)
+        with self.stats.lock:
+            self.stats.write_bytes[path] += nbytes
+            self.stats.write_s[path] += seconds
+            self.stats.time["flush"] += seconds
+        if self.rebalancer is not None:
+            self.rebalancer.observe(path, nbytes, seconds)
+        if kind == "grad":
+            self._grad_files[subgroup] = path
+        else:
+            old = self.location[subgroup]
+            self.location[subgroup] = path
+            if old is not None and old != path:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._file(subgroup, old, kind))
+
+    def _spill(self, subgroup: int, path: int, nbytes: int, err: OSError) -> None:
+        """Moves a subgroup's home off a failing path, or fails loudly."""
+        self._bad_paths.add(path)
+        for other in range(len(self.tiers)):
+            if other in self._bad_paths:
+                continue
+            try:
+                secure_makedirs(self.rank_dirs[other])
+                free = check_free_space(self.tiers[other].path, nbytes)
+            except (OSError, UsageError):
+                self._bad_paths.add(other)
+                continue
+            if free >= 2 * nbytes:
+                log.warning("offload: writing subgroup %d of rank %d to %s failed (%s); it and "
+                            "the other subgroups of that path now go to %s", subgroup, self.rank,
+                            self.tiers[path].path, err.strerror, self.tiers[other].path)
+                for index, home in enumerate(self.home):
+                    if home == path:
+                        self.home[index] = other
+                return
+        raise OffloadStateError(
+            f"offload: cannot write the state of subgroup {subgroup} of rank {self.rank} "
+            f"({nbytes / 1e6:.0f} MB): {self.tiers[path].path}: {err.strerror}, and no other "
+            "--offload-paths has room; the last checkpoint is intact: free space or add a path "
+            "and resume with --load")
+
+    def _take_buffer(self, protect: Sequence[int]) -> tuple:
+        """A free state buffer, and the flush that must finish before it is reused."""
+        if self.cache.can_allocate():
+            return self.cache.allocate(), None
+        victim = self.cache.victim(protect)
+        if victim is None:
+            raise RuntimeError("offload cache has no evictable buffer (capacity too small)")
+        entry = self.cache.pop(victim)
+        if not entry.dirty:
+            return entry.buffer, None
+        flush = self._flush_pool.submit(self._write, victim, entry.buffer)
+        self._flushes.append(flush)
+        return entry.buffer, flush
+
+    def _start_fetch(self, subgroup: int, protect: Sequence[int]) -> Future:
+        buffer, flush = self._take_buffer(protect)
+
+        def fetch() -> torch.Tensor:
+            if flush is not None:
+                flush.result()
+            self._read(subgroup, buffer)
+            return buffer
+        return self._io_pool.submit(fetch)
+
+    def wait_io(self) -> None:
+        """Waits for every background flush; raises the first error one of them hit."""
+        flushes, self._flushes = self._flushes, []
+        for flush in flushes:
+            flush.result()
+
+    # ----------------------------------------------------------------- initialization
+
+    def _fill(self, sources: Callable[[int, torch.Tensor], None]) -> None:
+        """Fills every subgroup's state, writing out what the cache cannot keep.
+
+        The fill runs opposite to the next step's order, so that step starts on the
+        subgroups that stayed in the cache.
+        """
+        for index in reversed(self.order(self.step_count + 1)):
+            buffer, flush = self._take_buffer(protect=())
+            if flush is not None:
+                flush.result()
+            sources(index, buffer)
+            self.cache.insert(index, buffer, dirty=True)
+        self.wait_io()
+        self.initialized = True
+
+    def initialize_from_model(self) -> None:
+        """fp32 masters from the model's current weights; zero moments."""
+        def source(index: int, buffer: torch.Tensor) -> None:
+            sg = self.subgroups[index]
+            n = sg.numel
+            buffer[n:3 * n].zero_()
+            for piece in sg.pieces:
+                src = self.params[piece.param].init().reshape(-1)
+                buffer[piece.offset:piece.offset + piece.length].copy_(
+                    src[piece.start:piece.start + piece.length])
+        self._fill(source)
+
+    def reset_masters_from_model(self) -> None:
+        """Rebuilds the fp32 masters from the model's weights, keeping the moments."""
+        if not self.initialized:
+            return
+        for index, sg in enumerate(self.subgroups):
+            buffer = self._acquire_sync(index)
+            for piece in sg.pieces:
+                src = self.params[piece.param].init().reshape(-1)
+                buffer[piece.offset:piece.offset + piece.length].copy_(
+                    src[piece.start:piece.start + piece.length])
+            self.cache.get(index).dirty = True
+        self.wait_io()
+
+    def _acquire_sync(self, index: int) -> torch.Tensor:
+        if index in self.cache:
+            return self.cache.get(index).buffer
+        buffer = self._start_fetch(index, protect=(index,)).result()
+        self.cache.insert(index, buffer, dirty=False)
+        return buffer
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self, hparams: Sequence[dict], inv_scale: Optional[torch.Tensor],
+             clip_coeff: Optional[float]) -> None:
+        """One optimizer step over all subgroups.
+
+        Args:
+            hparams: the optimizer's param groups (lr, betas, eps, weight_decay), by index.
+            inv_scale: fp16 loss-scale inverse to unscale the gradients with, or None.
+            clip_coeff: the gradient-clipping factor (< 1) or None.
+        """
+        if not self.initialized:
+            self.initialize_from_model()
+        start = time.perf_counter()
+        self.step_count += 1
+        order = self.order(self.step_count)
+        if self.is_cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        if not self.cfg.offload_delayed_grad_conversion:
+            self._stage_fp32_grads(order, inv_scale, clip_coeff)
+        depth = 1 if self.capacity is None else max(1, min(2, self.capacity - 2))
+        pending: Dict[int, Future] = {}
+        if self.is_cuda and self.cfg.offload_delayed_grad_conversion and order:
+            self._issue_grad_copy(order[0], 0)
+        for i, index in enumerate(order):
+            ahead = order[i + 1:i + 1 + depth]
+            for nxt in ahead:
+                if nxt not in self.cache and nxt not in pending:
+                    pending[nxt] = self._start_fetch(
+                        nxt, protect=[index, *ahead, *pending])
+            wait = time.perf_counter()
+            self.stats.needed += 1
+            if index in pending:
+                buffer = pending.pop(index).result()
+                self.cache.insert(index, buffer, dirty=False)
+            elif index in self.cache:
+                self.stats.hits += 1
+            else:
+                self._acquire_sync(index)
+            self.stats.add("stall", time.perf_counter() - wait)
+            entry = self.cache.get(index)
+            if self.is_cuda and self.cfg.offload_delayed_grad_conversion and i + 1 < len(order):
+                self._issue_grad_copy(order[i + 1], (i + 1) % 2)
+            self._update(index, entry.buffer, i % 2, hparams, inv_scale, clip_coeff)
+            entry.dirty = True
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        self._grad_files.clear()
+        if self.rebalancer is not None:
+            sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
+            for index, source, target in self.rebalancer.end_step(self.home, sizes):
+                if target in self._bad_paths:
+                    continue
+                log.info("offload: rank %d moves subgroup %d from %s to %s (observed "
+                         "throughput)", self.rank, index, self.tiers[source].path,
+                         self.tiers[target].path)
+                self.home[index] = target
+        self.stats.steps += 1
+        self.stats.add("step", time.perf_counter() - start)
+
+    def _issue_grad_copy(self, index: int, slot: int) -> None:
+        """Starts the D2H copy of a subgroup's gradients (training dtype) into pinned memory."""
+        stage = self._grad_stage[slot]
+        with torch.cuda.stream(self._d2h):
+            for piece in self.subgroups[index].pieces:
+                src = self.params[piece.param].grad().reshape(-1)
+                stage[piece.offset:piece.offset + piece.length].copy_(
+                    src[piece.start:piece.start + piece.length], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._d2h)
+        self._grad_events[slot] = event
+
+    def _grads_fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
+        """The subgroup's fp32 gradients, unscaled and clipped like megatron-core's."""
+        sg = self.subgroups[index]
+        grads = self._scratch[:sg.numel]
+        if not self.cfg.offload_delayed_grad_conversion:
+            staged = self._grad_files[index]
+            if isinstance(staged, int):
+                self._read(index, grads, kind="grad")
+            else:
+                grads.copy_(staged)
+            return grads
+        if self.is_cuda:
+            self._grad_events[slot].synchronize()
+            grads.copy_(self._grad_stage[slot][:sg.numel])
+        else:
+            for piece in sg.pieces:
+                src = self.params[piece.param].grad().reshape(-1)
+                grads[piece.offset:piece.offset + piece.length].copy_(
+                    src[piece.start:piece.start + piece.length])
+        _unscale_and_clip(grads, inv_scale, clip_coeff)
+        return grads
+
+    def _stage_fp32_grads(self, order, inv_scale, clip_coeff) -> None:
+        """Without delayed conversion: the shard's fp32 gradients first, as ZeRO-Infinity does.
+
+        Each subgroup's gradients become fp32 on the model's device, cross to the host in
+        fp32 and, for subgroups outside the cache, go to the tier and come back in the update.
+        """
+        start = time.perf_counter()
+        for index in order:
+            sg = self.subgroups[index]
+            host = torch.empty(sg.numel, dtype=torch.float32)
+            for piece in sg.pieces:
+                src = self.params[piece.param].grad().reshape(-1)
+                part = src[piece.start:piece.start + piece.length].float()
+                _unscale_and_clip(part, inv_scale, clip_coeff)
+                host[piece.offset:piece.offset + piece.length].copy_(part)
+            if self.tiers and index not in self.cache:
+                self._write(index, host, kind="grad")
+            else:
+                self._grad_files[index] = host
+        self.stats.add("convert", time.perf_counter() - start)
+
+    def _update(self, index: int, buffer: torch.Tensor, slot: int, hparams, inv_scale,
+                clip_coeff) -> None:
+        sg = self.subgroups[index]
+        n = sg.numel
+        t0 = time.perf_counter()
+        grads = self._grads_fp32(index, slot, inv_scale, clip_coeff)
+        t1 = time.perf_counter()
+        master, exp_avg, exp_avg_sq = buffer[:n], buffer[n:2 * n], buffer[2 * n:3 * n]
+        for group, offset, length in sg.runs:
+            hp = hparams[group]
+            span = slice(offset, offset + length)
+            beta1, beta2 = hp["betas"]
+            # A fresh step tensor: adam() increments it before use, like each parameter's
+            # own step in torch's AdamW.
+            adam([master[span]], [grads[span]], [exp_avg[span]], [exp_avg_sq[span]], [],
+                 [torch.tensor(float(self.step_count - 1))], foreach=False,
+                 fused=self.fused_adam or None, capturable=False, differentiable=False,
+                 has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
+                 weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
+                 decoupled_weight_decay=True)
+        self.version[index] = self.step_count
+        t2 = time.perf_counter()
+        self._write_back(index, master, slot)
+        t3 = time.perf_counter()
+        with self.stats.lock:
+            self.stats.time["convert"] += t1 - t0
+            self.stats.time["update"] += t2 - t1
+            self.stats.time["writeback"] += t3 - t2
+
+    def _write_back(self, index: int, master: torch.Tensor, slot: int) -> None:
+        """New weights into the model's param buffer, in the model's dtype."""
+        sg = self.subgroups[index]
+        if not self.is_cuda:
+            for piece in sg.pieces:
+                self.params[piece.param].out[piece.start:piece.start + piece.length].copy_(
+                    master[piece.offset:piece.offset + piece.length])
+            return
+        if self._out_events[slot] is not None:
+            self._out_events[slot].synchronize()
+        stage = self._out_stage[slot][:sg.numel]
+        stage.copy_(master)
+        with torch.cuda.stream(self._h2d):
+            for piece in sg.pieces:
+                self.params[piece.param].out[piece.start:piece.start + piece.length].copy_(
+                    stage[piece.offset:piece.offset + piece.length], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._h2d)
+        self._out_events[slot] = event
+
+    def write_all_params(self) -> None:
+        """Copies every fp32 master into the model (used after a load)."""
+        for index in range(len(self.subgroups)):
+            buffer = self._acquire_sync(index)
+            self._write_back(index, buffer[:self.subgroups[index].numel], 0)
+            if self.is_cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+                self._out_events[0].synchronize()
+        self.wait_io()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save(self, directory: str, extra: dict) -> None:
+        """Puts this rank's state files under ``directory`` with a manifest.
+
+        Cached subgroups are written there directly; the others are hard-linked from their
+        path (a tier file is never rewritten in place: a new step's file is a new inode),
+        or copied where a link is impossible (another file system).
+        """
+        if not self.initialized:
+            self.initialize_from_model()
+        self.wait_io()
+        rank_dir = os.path.join(directory, f"rank{self.rank:05d}")
+        secure_makedirs(rank_dir)
+        entries = []
+        for index, sg in enumerate(self.subgroups):
+            name = f"sg{index:05d}.state"
+            target = os.path.join(rank_dir, name)
+            if index in self.cache:
+                buffer = self.cache.get(index).buffer
+                self.io.write(target, buffer[:3 * sg.numel], rank=self.rank, subgroup=index,
+                              elements=sg.numel, step=self.version[index])
+                how = "written"
+            else:
+                source = self._file(index, self.location[index])
+                try:
+                    os.link(source, target)
+                    how = "linked"
+                except OSError:
+                    shutil.copyfile(source, target)
+                    with open(target, "rb") as f:
+                        os.fsync(f.fileno())
+                    how = "copied"
+            entries.append({"subgroup": index, "elements": sg.numel, "file": name, "how": how})
+        manifest = {"version": MANIFEST_VERSION, "rank": self.rank, "step": self.step_count,
+                    "fingerprint": self.fingerprint,
+                    "subgroup_size": self.cfg.offload_subgroup_size,
+                    "checksum": self.cfg.offload_checksum, "subgroups": entries, **extra}
+        _write_json_atomic(os.path.join(rank_dir, "manifest.json"), manifest)
+
+    def load(self, directory: str, expect: dict) -> None:
+        """Restores this rank's state from a checkpoint's offload directory."""
+        rank_dir = os.path.join(directory, f"rank{self.rank:05d}")
+        manifest_path = os.path.join(rank_dir, "manifest.json")
+        if not os.path.isfile(manifest_path):
+            raise UsageError(f"checkpoint has no offloaded optimizer state for rank {self.rank} "
+                             f"({manifest_path} missing): it was saved with another world size "
+                             "or without --offload-optimizer; use --no-load-optim to start the "
+                             "optimizer fresh")
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        for key, value in expect.items():
+            if manifest.get(key) != value:
+                raise UsageError(
+                    f"{manifest_path}: saved with {key}={manifest.get(key)}, this run has "
+                    f"{value}: resume with the same parallel layout, or --no-load-optim")
+        if manifest.get("fingerprint") != self.fingerprint:
+            raise UsageError(
+                f"{manifest_path}: the optimizer shard layout differs (model, parallel layout or "
+                "--offload-subgroup-size changed): resume with the same settings, or "
+                "--no-load-optim")
+        self.wait_io()
+        for index in list(range(len(self.subgroups))):
+            if index in self.cache:
+                self.cache.release(self.cache.pop(index).buffer)
+        self.step_count = manifest["step"]
+        self.location = [None] * len(self.subgroups)
+        self.version = [self.step_count] * len(self.subgroups)
+        saved_checksum = manifest.get("checksum", self.cfg.offload_checksum)
+        reader = StateFileIO(threads=self.cfg.offload_io_threads,
+                             direct_io=self.cfg.offload_direct_io, checksum=saved_checksum)
+
+        def source(index: int, buffer: torch.Tensor) -> None:
+            sg = self.subgroups[index]
+            name = os.path.join(rank_dir, manifest["subgroups"][index]["file"])
+            step = reader.read(name, buffer[:3 * sg.numel], rank=self.rank, subgroup=index,
+                               elements=sg.numel)
+            if step != self.step_count:
+                raise OffloadStateError(f"{name}: state of step {step}, the manifest says "
+                                        f"{self.step_count}: the checkpoint is inconsistent")
+        self._fill(source)
+
+    # ----------------------------------------------------------------- metrics, shutdown
+
+    def metrics(self) -> Dict[str, float]:
+        """Per-iteration averages since the last call (then reset)."""
+        s = self.stats
+        steps = max(s.steps, 1)
+        record = {f"offload/{k}_s": v / steps for k, v in s.time.items()}
+        record["offload/lock_wait_s"] = (self.locks.wait_s - self._lock_wait_seen) / steps
+        self._lock_wait_seen = self.locks.wait_s
+        record["offload/cache_hit_rate"] = s.hits / s.needed if s.needed else 1.0
+        host = self.cache.allocated * self.max_numel * STATE_BYTES_PER_ELEMENT
+        record["offload/host_cache_gib"] = host / 2**30
+        total_bytes = 0
+        for i in range(len(self.tiers)):
+            moved = s.read_bytes[i] + s.write_bytes[i]
+            total_bytes += moved
+            record[f"offload/path{i}_bytes"] = moved / steps
+            record[f"offload/path{i}_read_gbps"] = (s.read_bytes[i] / s.read_s[i] / 1e9
+                                                    if s.read_s[i] else 0.0)
+            record[f"offload/path{i}_write_gbps"] = (s.write_bytes[i] / s.write_s[i] / 1e9
+                                                     if s.write_s[i] else 0.0)
+            record[f"offload/path{i}_subgroups"] = sum(1 for h in self.home if h == i)
+        record["offload/io_bytes"] = total_bytes / steps
+        s.reset()
+        return record
+
+    def close(self, remove_files: bool = True) -> None:
+        """Stops the threads and removes this rank's tier files."""
+        with contextlib.suppress(Exception):
+            self.wait_io()
+        self._io_pool.shutdown(wait=True)
+        self._flush_pool.shutdown(wait=True)
+        if remove_files:
+            for directory in self.rank_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(directory))
+        self.locks.close()
+
+
+def _unscale_and_clip(grads: torch.Tensor, inv_scale, clip_coeff) -> None:
+    # The same two multiplications, in the same order, as megatron-core applies to its
+    # fp32 main grads (unscale, then clip), so the results match bit for bit.
+    if inv_scale is not None:
+        grads.mul_(inv_scale)
+    if clip_coeff is not None:
+        grads.mul_(clip_coeff)
+
+
+def _user() -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.getuid())
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
