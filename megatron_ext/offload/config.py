@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import List, Optional
 
 from megatron_ext.config.fields import option
@@ -80,4 +81,9 @@ class OffloadConfig:
             from megatron_ext.offload.tiers import parse_tier_spec
 
             for text in self.offload_paths:
-                parse_tier_spec(text)
+                path = parse_tier_spec(text).path
+                if not os.path.isdir(path):
+                    raise UsageError(f"--offload-paths {path}: no such directory; create it (each "
+                                     "job writes in its own subdirectory there)")
+                if not os.access(path, os.W_OK | os.X_OK):
+                    raise UsageError(f"--offload-paths {path}: not writable by this user")

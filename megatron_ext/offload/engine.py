@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,13 @@ from torch.optim.adam import adam
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.cache import HostCache
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.io import OffloadStateError, StateFileIO, aligned_empty, secure_makedirs
+from megatron_ext.offload.io import (
+    RESTART_HINT,
+    OffloadStateError,
+    StateFileIO,
+    aligned_empty,
+    secure_makedirs,
+)
 from megatron_ext.offload.locks import NodeLocks
 from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
 from megatron_ext.offload.tiers import (
@@ -54,6 +61,25 @@ MANIFEST_VERSION = 1
 _PATH_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES,
                 errno.EIO, errno.ENOTDIR, errno.ESTALE}
 TRACE_ENV = "MEGATRON_EXT_OFFLOAD_TRACE"
+FAULT_ENV = "MEGATRON_EXT_OFFLOAD_FAULT"
+
+
+class _Faults:
+    """Faults injected by the test suite through ``MEGATRON_EXT_OFFLOAD_FAULT``.
+
+    A ';'-separated list of ``kind:arg:arg``: ``kill-in-flush:STEP`` (SIGKILL in the middle
+    of a state write at STEP, leaving a partial temp file and the lock held),
+    ``corrupt-after-flush:STEP`` (flip one payload byte of a file just written at STEP),
+    ``enospc:PATH`` (writes to path index PATH fail with ENOSPC), ``slow:PATH:FACTOR:STEP``
+    (from STEP on, I/O on PATH takes FACTOR times as long), ``vanish:PATH:STEP`` (this
+    rank's directory on PATH disappears at the start of STEP).
+    """
+
+    def __init__(self, text: str):
+        self.rules = [part.split(":") for part in text.split(";") if part]
+
+    def get(self, kind: str) -> List[List[str]]:
+        return [rule[1:] for rule in self.rules if rule[0] == kind]
 
 
 @dataclasses.dataclass
@@ -120,6 +146,7 @@ class OffloadEngine:
         # megatron-core's own optimizer uses, so CPU runs stay bit-identical to it.
         self.fused_adam = self.is_cuda
         self._trace_path = os.environ.get(TRACE_ENV)
+        self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
 
         self.tiers = list(tiers)
         self.stats = _StepStats(len(self.tiers))
@@ -216,10 +243,11 @@ class OffloadEngine:
     def _file(self, subgroup: int, path: int, kind: str = "state") -> str:
         return os.path.join(self.rank_dirs[path], f"sg{subgroup:05d}.{kind}")
 
-    def _trace(self, op: str, path: int, start: float, end: float) -> None:
+    def _trace(self, op: str, path: int, start: float, end: float, nbytes: int) -> None:
         if not self._trace_path:
             return
-        line = f"{os.getpid()} {self.rank} {op} {self.tiers[path].path} {start:.6f} {end:.6f}\n"
+        line = (f"{os.getpid()} {self.rank} {op} {self.tiers[path].path} {start:.6f} "
+                f"{end:.6f} {nbytes}\n")
         fd = os.open(self._trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line.encode())
@@ -235,16 +263,10 @@ class OffloadEngine:
         with self.locks.hold(self.tiers[path].path):
             start = time.perf_counter()
             t0 = time.monotonic()
-            try:
-                step = self.io.read(name, out, rank=self.rank, subgroup=subgroup,
-                                    elements=sg.numel)
-            except FileNotFoundError:
-                raise OffloadStateError(
-                    f"offload state file {name} is missing (was {self.tiers[path].path} "
-                    "removed or cleaned?): restart from the last checkpoint with --load"
-                ) from None
+            step = self.io.read(name, out, rank=self.rank, subgroup=subgroup, elements=sg.numel)
+            self._throttle(path, start)
             seconds = time.perf_counter() - start
-            self._trace("read", path, t0, time.monotonic())
+            self._trace("read", path, t0, time.monotonic(), out.numel() * 4)
         if kind == "state" and step != self.version[subgroup]:
             raise OffloadStateError(f"offload state file {name} belongs to step {step}, expected "
                                     f"{self.version[subgroup]}: restart from the last checkpoint")
@@ -269,10 +291,13 @@ class OffloadEngine:
                 with self.locks.hold(self.tiers[path].path):
                     start = time.perf_counter()
                     t0 = time.monotonic()
+                    self._inject_write_faults(name, path, payload)
                     self.io.write(name, payload, rank=self.rank, subgroup=subgroup,
                                   elements=sg.numel, step=self.version[subgroup])
+                    self._throttle(path, start)
                     seconds = time.perf_counter() - start
-                    self._trace("write", path, t0, time.monotonic())
+                    self._trace("write", path, t0, time.monotonic(), nbytes)
+                    self._inject_corruption(name)
                 break
             except OSError as err:
                 if err.errno not in _PATH_ERRNOS:
@@ -292,6 +317,35 @@ class OffloadEngine:
             if old is not None and old != path:
                 with contextlib.suppress(OSError):
                     os.unlink(self._file(subgroup, old, kind))
+
+    def _inject_write_faults(self, name: str, path: int, payload: torch.Tensor) -> None:
+        if not self._faults.rules:
+            return
+        for (index,) in self._faults.get("enospc"):
+            if int(index) == path:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+        for (step,) in self._faults.get("kill-in-flush"):
+            if self.step_count >= int(step):
+                partial = f"{os.path.dirname(name)}/.{os.path.basename(name)}.tmp-{os.getpid()}-k"
+                with open(partial, "wb") as f:
+                    f.write(payload.view(torch.uint8).numpy()[:payload.numel() * 2].tobytes())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _inject_corruption(self, name: str) -> None:
+        for (step,) in self._faults.get("corrupt-after-flush"):
+            if self.step_count == int(step):
+                with open(name, "r+b") as f:
+                    f.seek(4096 + 100)
+                    byte = f.read(1)
+                    f.seek(4096 + 100)
+                    f.write(bytes([byte[0] ^ 0x40]))
+
+    def _throttle(self, path: int, start: float) -> None:
+        for index, factor, step in self._faults.get("slow"):
+            if int(index) == path and self.step_count >= int(step):
+                time.sleep((float(factor) - 1.0) * (time.perf_counter() - start))
 
     def _spill(self, subgroup: int, path: int, nbytes: int, err: OSError) -> None:
         """Moves a subgroup's home off a failing path, or fails loudly."""
@@ -413,6 +467,9 @@ class OffloadEngine:
             self.initialize_from_model()
         start = time.perf_counter()
         self.step_count += 1
+        for index, step in self._faults.get("vanish"):
+            if int(step) == self.step_count:
+                shutil.rmtree(self.rank_dirs[int(index)], ignore_errors=True)
         order = self.order(self.step_count)
         if self.is_cuda:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
@@ -647,8 +704,15 @@ class OffloadEngine:
         def source(index: int, buffer: torch.Tensor) -> None:
             sg = self.subgroups[index]
             name = os.path.join(rank_dir, manifest["subgroups"][index]["file"])
-            step = reader.read(name, buffer[:3 * sg.numel], rank=self.rank, subgroup=index,
-                               elements=sg.numel)
+            try:
+                step = reader.read(name, buffer[:3 * sg.numel], rank=self.rank,
+                                   subgroup=index, elements=sg.numel)
+            except OffloadStateError as err:
+                # The io layer's advice is to resume from a checkpoint: this is one.
+                raise OffloadStateError(f"{str(err).split(': ' + RESTART_HINT)[0]}: the "
+                                        "checkpoint is damaged; resume from an earlier one, or "
+                                        "use --no-load-optim to start the optimizer fresh"
+                                        ) from None
             if step != self.step_count:
                 raise OffloadStateError(f"{name}: state of step {step}, the manifest says "
                                         f"{self.step_count}: the checkpoint is inconsistent")
@@ -671,6 +735,8 @@ class OffloadEngine:
             moved = s.read_bytes[i] + s.write_bytes[i]
             total_bytes += moved
             record[f"offload/path{i}_bytes"] = moved / steps
+            record[f"offload/path{i}_read_bytes"] = s.read_bytes[i] / steps
+            record[f"offload/path{i}_write_bytes"] = s.write_bytes[i] / steps
             record[f"offload/path{i}_read_gbps"] = (s.read_bytes[i] / s.read_s[i] / 1e9
                                                     if s.read_s[i] else 0.0)
             record[f"offload/path{i}_write_gbps"] = (s.write_bytes[i] / s.write_s[i] / 1e9

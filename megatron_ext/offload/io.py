@@ -83,7 +83,7 @@ _HASHERS: Dict[str, Optional[Callable[[memoryview], int]]] = {
 }
 CHECKSUMS = tuple(_HASHERS)
 
-_RESTART = "restart from the last checkpoint with --load"
+RESTART_HINT = "restart from the last checkpoint with --load"
 _OWN_DIR = "give each run and user an offload directory of its own"
 
 
@@ -309,11 +309,11 @@ class StateFileIO:
                 raise OffloadStateError(
                     f"offload state file {path} holds rank {found[0]} subgroup {found[1]} "
                     f"({found[2]} elements), expected rank {rank} subgroup {subgroup} "
-                    f"({elements} elements): {_OWN_DIR}, or {_RESTART}")
+                    f"({elements} elements): {_OWN_DIR}, or {RESTART_HINT}")
             if header["payload_bytes"] != dst.size:
                 raise OffloadStateError(
                     f"offload state file {path} holds {header['payload_bytes']} payload bytes, "
-                    f"expected {dst.size}: {_OWN_DIR}, or {_RESTART}")
+                    f"expected {dst.size}: {_OWN_DIR}, or {RESTART_HINT}")
             hasher = _HASHERS[header["checksum"]]
             chunk, digests = header["chunk_bytes"], header["chunk_digests"]
             aligned = dst.ctypes.data % ALIGN == 0
@@ -454,12 +454,12 @@ def _as_bytes(tensor: torch.Tensor, name: str) -> np.ndarray:
 
 
 def _corrupt(path: str, what: str) -> OffloadStateError:
-    return OffloadStateError(f"offload state file {path} is corrupt ({what}): {_RESTART}")
+    return OffloadStateError(f"offload state file {path} is corrupt ({what}): {RESTART_HINT}")
 
 
 def _truncated(path: str, size: int, expected: int) -> OffloadStateError:
     return OffloadStateError(f"offload state file {path} is truncated ({size} bytes, expected "
-                             f"{expected}): {_RESTART}")
+                             f"{expected}): {RESTART_HINT}")
 
 
 def _open_for_read(path: str, opener: Callable[[str, int], Tuple[int, bool]]):
@@ -477,7 +477,8 @@ def _open_for_read(path: str, opener: Callable[[str, int], Tuple[int, bool]]):
     try:
         fd, direct = opener(path, flags)
     except FileNotFoundError:
-        raise OffloadStateError(f"offload state file {path} does not exist: {_RESTART}") from None
+        raise OffloadStateError(
+            f"offload state file {path} does not exist: {RESTART_HINT}") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise OffloadStateError(f"offload state file {path} is a symlink: remove it, and "
@@ -519,7 +520,7 @@ def _parse_header(block: bytes, path: str, size: int) -> dict:
                                 f"state file (bad magic {magic!r}): remove it or {_OWN_DIR}")
     if version != VERSION:
         raise OffloadStateError(f"offload state file {path} has format version {version}, this "
-                                f"build reads version {VERSION}: {_RESTART}")
+                                f"build reads version {VERSION}: {RESTART_HINT}")
     (stored,) = _DIGEST.unpack_from(block, _HEADER_DIGEST_AT)
     if xxhash.xxh3_64_intdigest(block[:_HEADER_DIGEST_AT]) != stored:
         raise _corrupt(path, "header checksum mismatch")

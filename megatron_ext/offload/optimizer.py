@@ -221,9 +221,24 @@ class OffloadedDistributedOptimizer(DistributedOptimizer):
                              f"{self.engine.step_count} but the checkpoint's optimizer of "
                              f"step {loaded}: the checkpoint is inconsistent")
 
+    def device_state_bytes(self) -> int:
+        """Bytes of fp32 optimizer state held outside the engine (should be 0).
+
+        Counts megatron-core's fp32 masters of bf16/fp16 parameters and the torch
+        optimizer's states: the tensors that would sit on the model's device.
+        """
+        total = sum(p.numel() * p.element_size()
+                    for group in self.shard_fp32_from_float16_groups for p in group)
+        for state in self.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values()
+                         if torch.is_tensor(t) and t.dim() > 0)
+        return total
+
     def metrics(self) -> Dict[str, float]:
         """The engine's ``offload/*`` metrics since the last call."""
-        return self.engine.metrics()
+        record = self.engine.metrics()
+        record["offload/device_state_bytes"] = self.device_state_bytes()
+        return record
 
     def close(self) -> None:
         """Stops the engine's threads and removes its tier files."""

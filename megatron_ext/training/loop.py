@@ -36,7 +36,8 @@ def _quiet_optional_dependencies() -> None:
     for pattern in (".*Apex is not installed.*", ".*Transformer Engine.*",
                     ".*transformer_engine.*", ".*nvidia-modelopt.*", ".*flattened_range.*",
                     ".*full scope is deprecated.*", ".*is not a leaf Tensor is being accessed.*",
-                    r".*`torch\.distributed\.\w+` is deprecated.*"):
+                    r".*`torch\.distributed\.\w+` is deprecated.*",
+                    ".*`load_state_dict` is deprecated.*", ".*deprecating ShardedTensor.*"):
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 

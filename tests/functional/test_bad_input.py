@@ -14,6 +14,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
         "--device", "cpu", "--wandb-mode", "disabled", "--eval-iters", "0"]
 MOCK = ["--mock-data", "--vocab-size", "100"]
+OFFLOAD = ["--use-distributed-optimizer", "--offload-optimizer"]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,14 @@ def data(tmp_path_factory):
     (root / "dirbin.bin").mkdir()
     (root / "empty_ckpt").mkdir()
     (root / "fake.model").write_bytes(b"this is not a sentencepiece model")
+    # A checkpoint with offloaded optimizer state, one byte of which is then flipped.
+    subprocess.run([sys.executable, PRETRAIN, *BASE, *MOCK, *OFFLOAD,
+                    "--save", str(root / "offload_ckpt")], cwd=ROOT, env=test_env(), check=True,
+                   capture_output=True, timeout=120)
+    state = sorted((root / "offload_ckpt").rglob("sg00000.state"))[0]
+    data = bytearray(state.read_bytes())
+    data[4096 + 8] ^= 0x01
+    state.write_bytes(bytes(data))
     return root
 
 
@@ -69,6 +78,22 @@ CASES = {
     "bad split": (lambda d: null_data(f"{d}/ok") + ["--split", "a,b"], "--split 'a,b'"),
     "finetune without load": (lambda d: MOCK + ["--finetune"], "--finetune needs --load"),
     "negative lr": (lambda d: MOCK + ["--lr", "-1"], "--lr must be positive"),
+    "offload paths without offload": (lambda d: MOCK + ["--offload-paths", str(d)],
+                                      "--offload-paths needs --offload-optimizer"),
+    "offload without distributed optimizer": (lambda d: MOCK + ["--offload-optimizer"],
+                                              "add --use-distributed-optimizer"),
+    "offload path missing": (
+        lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}/no-such-dir"], "no-such-dir"),
+    "offload bandwidth not a number": (
+        lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}@fast,2"],
+        "bandwidths must be positive numbers"),
+    "offload cache too small": (
+        lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}@1,1", "--offload-subgroup-size",
+                                    "10000", "--offload-host-cache-gb", "0.0001"],
+        "the pipeline needs 3"),
+    "offload corrupt checkpoint state": (
+        lambda d: MOCK + OFFLOAD + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
+        "checksum"),
 }
 
 

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Offload benchmark: the reference GPT with its optimizer states on host memory and disk.
+
+Runs pretrain_gpt.py once per configuration (a fresh process each, ``--iters`` iterations,
+the first ``--warmup`` dropped) on the reference GPT of issue 2 (24 layers, hidden 2048,
+seq 2048, micro-batch 4, 1.34B parameters, bf16, distributed optimizer), and reports per
+configuration the step time (min/median/mean/max over the measured steps), the optimizer
+(update) phase, the offload breakdown (fetch, convert, update, write-back, flush, stall,
+cache hit rate, bytes and GB/s per path) and the update phase against the I/O floor: the
+bytes the step moved over each path divided by that path's bandwidth, measured by an
+O_DIRECT probe (tools/probe_tiers.py's) in the same command.
+
+Configurations (``--configs``, comma-separated):
+  no-offload            states on the GPU (megatron-core's DistributedOptimizer)
+  mcore-offload         megatron-core's --optimizer-cpu-offload, fraction 1.0, D2H/H2D overlap
+  host-only             this engine, every state in host memory (no paths)
+  all-off               this engine, disk path, all four techniques switched off
+  alt                   + alternating order (with cache reuse)
+  alt-delayed           + delayed FP16->FP32 gradient conversion
+  all-on                + concurrency control and rebalancing (all techniques)
+  all-on-2paths         + a second path given by --second-path (name it a stand-in)
+  deepspeed-nvme        DeepSpeed ZeRO-Infinity (the peer bundle), same model, same disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from pretrain_bench import REFERENCE, summarize  # noqa: E402
+
+OFF_SWITCHES = {
+    "alternate": "--no-offload-alternate-order",
+    "delayed": "--no-offload-delayed-grad-conversion",
+    "concurrency": "--no-offload-concurrency-control",
+    "rebalance": "--no-offload-rebalance",
+}
+ENABLED = {"all-off": (), "alt": ("alternate",), "alt-delayed": ("alternate", "delayed"),
+           "all-on": tuple(OFF_SWITCHES), "all-on-2paths": tuple(OFF_SWITCHES)}
+
+
+def probe(path: str, size_mb: int) -> dict:
+    from megatron_ext.offload.tiers import probe_bandwidth
+
+    result = probe_bandwidth(path, size_mb=size_mb, threads=4, direct_io=True)
+    return {"read_gbps": result.read_gbps, "write_gbps": result.write_gbps,
+            "direct_io": result.direct_io_used, "size_mb": size_mb}
+
+
+def config_args(name: str, a, bandwidth: dict) -> list:
+    if name == "no-offload":
+        return []
+    if name == "mcore-offload":
+        return ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
+                "--overlap-cpu-optimizer-d2h-h2d"]
+    args = ["--offload-optimizer", "--offload-io-threads", str(a.io_threads)]
+    if name == "host-only":
+        return args
+    disk = bandwidth[a.disk]
+    paths = [f"{a.disk}@{disk['read_gbps']:.2f},{disk['write_gbps']:.2f}"]
+    if name == "all-on-2paths":
+        second = bandwidth[a.second_path]
+        paths.append(f"{a.second_path}@{second['read_gbps']:.2f},{second['write_gbps']:.2f}")
+    args += ["--offload-paths", *paths, "--offload-host-cache-gb", str(a.cache_gb),
+             "--offload-direct-io"]
+    args += [flag for key, flag in OFF_SWITCHES.items() if key not in ENABLED[name]]
+    return args
+
+
+def run_config(name: str, a, bandwidth: dict) -> dict:
+    extra = config_args(name, a, bandwidth)
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *REFERENCE, *extra,
+               "--train-iters", str(a.iters), "--metrics-path", str(metrics)]
+        print(f"== {name}: {' '.join(shlex.quote(x) for x in extra)}", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=a.timeout)
+        records = ([json.loads(line) for line in metrics.read_text().splitlines()
+                    if "lm_loss" in line] if metrics.exists() else [])
+    result = {"config": name, "args": extra, "returncode": proc.returncode}
+    if proc.returncode != 0 or len(records) <= a.warmup:
+        result["tail"] = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
+        print("\n".join(result["tail"][-8:]), flush=True)
+        return result
+    measured = records[a.warmup:]
+    result["step_s"] = summarize([r["time/iteration_s"] for r in measured])
+    result["optimizer_s"] = summarize([r["time/optimizer_s"] for r in measured])
+    result["forward_backward_s"] = summarize([r["time/forward_backward_s"] for r in measured])
+    result["gpu_max_allocated_gib"] = max(r.get("memory/gpu_max_allocated_gib", 0)
+                                          for r in measured)
+    result["losses"] = [r["lm_loss"] for r in records]
+    offload = {k: statistics.fmean(r[k] for r in measured) for k in measured[0]
+               if k.startswith("offload/")}
+    if offload:
+        result["offload"] = offload
+        floor = 0.0
+        paths = [a.disk] + ([a.second_path] if name == "all-on-2paths" else [])
+        for i, path in enumerate(paths):
+            bw = bandwidth[path]
+            floor += (offload.get(f"offload/path{i}_read_bytes", 0.0) / (bw["read_gbps"] * 1e9)
+                      + offload.get(f"offload/path{i}_write_bytes", 0.0)
+                      / (bw["write_gbps"] * 1e9))
+        if floor:
+            result["io_floor_s"] = floor
+            result["update_over_floor"] = result["optimizer_s"]["median"] / floor
+    s = result["step_s"]
+    print(f"   step s min/median/mean/max {s['min']:.3f}/{s['median']:.3f}/{s['mean']:.3f}/"
+          f"{s['max']:.3f} (n={s['n']}), optimizer median {result['optimizer_s']['median']:.3f}"
+          + (f", I/O floor {result['io_floor_s']:.3f} s (x{result['update_over_floor']:.2f})"
+             if "io_floor_s" in result else ""), flush=True)
+    return result
+
+
+def run_deepspeed(a) -> dict:
+    nvme = os.path.join(a.disk, "deepspeed-swap")
+    os.makedirs(nvme, exist_ok=True)
+    cmd = [sys.executable, os.path.join(a.deepspeed_bundle, "zero_infinity_bench.py"),
+           "--offload", "nvme", "--nvme-path", nvme, "--layers", "24", "--hidden", "2048",
+           "--heads", "16", "--vocab", "32000", "--seq", "2048", "--micro-batch", "4",
+           "--warmup", str(a.warmup), "--steps", str(a.iters - a.warmup)]
+    print(f"== deepspeed-nvme: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    shutil.rmtree(nvme, ignore_errors=True)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    result = {"config": "deepspeed-nvme", "command": " ".join(cmd),
+              "returncode": proc.returncode, "tail": lines[-30:]}
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                result["json"] = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+            break
+    print("\n".join(lines[-6:]), flush=True)
+    return result
+
+
+def main() -> int:
+    """Runs the configurations and writes one results JSON."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="no-offload,all-off,all-on",
+                   help="comma-separated configurations (see above)")
+    p.add_argument("--disk", default="/var/tmp/mext-offload",
+                   help="directory on the disk tier (created)")
+    p.add_argument("--second-path", help="second tier directory for all-on-2paths (created)")
+    p.add_argument("--cache-gb", type=float, default=4.8,
+                   help="--offload-host-cache-gb (DeepSpeed's pinned swap buffers: ~4.8 GB)")
+    p.add_argument("--io-threads", type=int, default=8, help="--offload-io-threads")
+    p.add_argument("--iters", type=int, default=6, help="iterations per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="iterations dropped")
+    p.add_argument("--probe-mb", type=int, default=2048, help="size of the bandwidth probe")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    p.add_argument("--deepspeed-bundle", help="the DeepSpeed peer bundle (for deepspeed-nvme)")
+    p.add_argument("--output", required=True, help="results JSON")
+    a = p.parse_args()
+    configs = [c for c in a.configs.split(",") if c]
+    os.makedirs(a.disk, exist_ok=True)
+    bandwidth = {a.disk: probe(a.disk, a.probe_mb)}
+    if a.second_path:
+        os.makedirs(a.second_path, exist_ok=True)
+        bandwidth[a.second_path] = probe(a.second_path, a.probe_mb)
+    print(f"probe (O_DIRECT, {a.probe_mb} MiB): {json.dumps(bandwidth)}", flush=True)
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(shlex.quote(x) for x in sys.argv),
+               "reference_args": REFERENCE, "bandwidth": bandwidth, "runs": []}
+    out = Path(a.output)
+    for name in configs:
+        run = run_deepspeed(a) if name == "deepspeed-nvme" else run_config(name, a, bandwidth)
+        results["runs"].append(run)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+    print("| config | step s min / median / mean / max (n) | optimizer s (median) | I/O floor s "
+          "| GPU GiB |")
+    print("|---|---|---|---|---|")
+    for run in results["runs"]:
+        if "step_s" not in run:
+            print(f"| {run['config']} | failed or see JSON (rc {run['returncode']}) | | | |")
+            continue
+        s = run["step_s"]
+        print(f"| {run['config']} | {s['min']:.3f} / {s['median']:.3f} / {s['mean']:.3f} / "
+              f"{s['max']:.3f} ({s['n']}) | {run['optimizer_s']['median']:.3f} | "
+              f"{run.get('io_floor_s', float('nan')):.3f} | {run['gpu_max_allocated_gib']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""pretrain_gpt.py with --offload-optimizer on the CPU: same losses, exact resume, faults.
+
+The equivalence of every combination of the off switches is proven on the engine itself
+(tests/unit/test_offload_engine.py, 16 combinations x host-only/one/two paths x fp32/bf16,
+bit for bit against torch's AdamW); here whole runs cover all switches on, all off and each
+one off, through megatron-core's real optimizer, checkpoints and processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from mext_testing import (
+    TINY,
+    launch,
+    losses_of,
+    precision_flags,
+    read_metrics,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
+
+ITERS = 20
+BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer"]
+# ~120k parameters in subgroups of 10k elements (120 KB of state each), three of them in
+# the host cache: most of the state lives on the paths.
+SMALL = ["--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036"]
+TRACE = "MEGATRON_EXT_OFFLOAD_TRACE"
+FAULT = "MEGATRON_EXT_OFFLOAD_FAULT"
+
+
+def path_flags(tmp_path: Path, count: int) -> list:
+    """``count`` tier directories: the first twice as fast to read as the others."""
+    if count == 0:
+        return []
+    dirs = []
+    for i in range(count):
+        directory = tmp_path / f"tier{i}"
+        directory.mkdir(exist_ok=True)
+        dirs.append(f"{directory}@{2 if i == 0 else 1},1")
+    return ["--offload-paths", *dirs, *SMALL]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Losses of the plain distributed optimizer, per precision (computed once)."""
+    cache = {}
+
+    def get(precision: str):
+        if precision not in cache:
+            out = tmp_path_factory.mktemp("baseline") / "m.jsonl"
+            run_pretrain([*BASE, *precision_flags(precision), "--metrics-path", str(out)])
+            cache[precision] = train_losses(out)
+        return cache[precision]
+    return get
+
+
+def run_offload(tmp_path, flags, env=None, name="offload.jsonl", check=True):
+    out = tmp_path / name
+    result = run_pretrain([*BASE, "--offload-optimizer", *flags, "--metrics-path", str(out)],
+                          env=env, check=check)
+    return result, out
+
+
+LAYOUTS = {
+    "host-only": (0, []),
+    "one-path": (1, []),
+    "two-paths": (2, []),
+    "two-paths-all-off": (2, ["--no-offload-alternate-order",
+                              "--no-offload-delayed-grad-conversion",
+                              "--no-offload-concurrency-control", "--no-offload-rebalance"]),
+    "two-paths-no-alternate": (2, ["--no-offload-alternate-order"]),
+    "two-paths-no-delayed": (2, ["--no-offload-delayed-grad-conversion"]),
+    "two-paths-no-concurrency": (2, ["--no-offload-concurrency-control"]),
+    "two-paths-no-rebalance-direct-crc": (2, ["--no-offload-rebalance", "--offload-direct-io",
+                                              "--offload-checksum", "crc32c"]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_offload_matches_plain_optimizer(tmp_path, baseline, precision, layout):
+    if precision == "fp32" and layout.startswith("two-paths-no"):
+        pytest.skip("single switches are run in bf16 only (fp32 runs the all-on/all-off ends)")
+    n_paths, switches = LAYOUTS[layout]
+    _, out = run_offload(tmp_path, [*precision_flags(precision), *path_flags(tmp_path, n_paths),
+                                    *switches])
+    records = read_metrics(out)
+    assert losses_of(records) == baseline(precision)
+    last = [r for r in records if "offload/step_s" in r][-1]
+    # No fp32 master or moment tensor outside the engine (megatron-core's are freed).
+    assert last["offload/device_state_bytes"] == 0
+    if n_paths:
+        assert last["offload/io_bytes"] > 0, "nothing went through the paths"
+        # The run's files are gone after it (checkpoints keep their own copies).
+        for i in range(n_paths):
+            assert not list((tmp_path / f"tier{i}").rglob("sg*"))
+
+
+def test_fp16_offload_matches_plain_optimizer(tmp_path, baseline):
+    _, out = run_offload(tmp_path, [*precision_flags("fp16"), *path_flags(tmp_path, 2)])
+    assert train_losses(out) == baseline("fp16")
+
+
+def test_files_follow_the_bandwidth_proportion(tmp_path):
+    trace = tmp_path / "trace.txt"
+    _, out = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 2), "--no-offload-rebalance"],
+                         env={TRACE: str(trace)})
+    written = defaultdict(int)
+    for line in trace.read_text().splitlines():
+        _, _, op, path, _, _, nbytes = line.split()
+        if op == "write":
+            written[path] += int(nbytes)
+    paths = [str(tmp_path / "tier0"), str(tmp_path / "tier1")]
+    share = written[paths[0]] / (written[paths[0]] + written[paths[1]])
+    # tier0: read 2, write 1 GB/s -> 1/(1/2 + 1) = 0.667; tier1: 0.5. Expected share 0.571,
+    # within one subgroup of the 12 (the last one is smaller).
+    assert abs(share - 0.667 / 1.167) < 1 / 12 + 0.01, share
+    last = [r for r in read_metrics(out) if "offload/step_s" in r][-1]
+    assert last["offload/path0_subgroups"] == 7 and last["offload/path1_subgroups"] == 5
+
+
+@pytest.mark.parametrize("layout", ["host-only", "two-paths"])
+def test_offload_resume_is_exact(tmp_path, layout):
+    flags = [*BASE, "--bf16", "--offload-optimizer",
+             *path_flags(tmp_path, 0 if layout == "host-only" else 2)]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
+    assert losses_of(resumed) == losses_of(straight)
+    manifest = json.loads((tmp_path / "ckpt" / "iter_0000010" / "offload" / "rank00000" /
+                           "manifest.json").read_text())
+    # host-only runs with the default subgroup size (one subgroup for this model).
+    assert manifest["step"] == 10
+    assert len(manifest["subgroups"]) == (1 if layout == "host-only" else 12)
+    if layout == "two-paths":
+        hows = {entry["how"] for entry in manifest["subgroups"]}
+        assert hows == {"linked", "written"}, hows
+
+
+def test_kill_during_flush_then_resume(tmp_path):
+    flags = ["--bf16", *path_flags(tmp_path, 2)]
+    _, straight = run_offload(tmp_path, flags, name="straight.jsonl")
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first.jsonl"
+    proc = launch([*BASE, "--offload-optimizer", *flags, "--save", str(ckpt), "--save-interval",
+                   "5", "--metrics-path", str(first)], env={FAULT: "kill-in-flush:8"},
+                  start_new_session=True)
+    proc.wait(timeout=300)
+    # Like Slurm ending a job step: what the dead process started (dist_checkpointing's
+    # helper processes keep its stdout open) goes with it.
+    os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.communicate()[0]
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
+    partial = [p for p in tmp_path.rglob(".sg*") if "tmp" in p.name]
+    assert partial, "the kill did not happen inside a write"
+    _, second = run_offload(tmp_path, [*flags, "--load", str(ckpt)], name="second.jsonl")
+    assert train_losses(first)[:5] + train_losses(second) == train_losses(straight)
+
+
+def _one_error_line(result) -> str:
+    lines = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert len(lines) == 1, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    return lines[0]
+
+
+def test_corrupted_tier_file_is_detected(tmp_path):
+    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 1)],
+                            env={FAULT: "corrupt-after-flush:3"}, check=False)
+    line = _one_error_line(result)
+    assert "checksum mismatch" in line and str(tmp_path / "tier0") in line
+
+
+def test_truncated_checkpoint_file_is_detected(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = ["--bf16", *path_flags(tmp_path, 1)]
+    run_offload(tmp_path, [*flags, "--save", str(ckpt), "--exit-interval", "4"])
+    state = ckpt / "iter_0000004" / "offload" / "rank00000" / "sg00005.state"
+    os.truncate(state, state.stat().st_size - 4096)
+    result, _ = run_offload(tmp_path, [*flags, "--load", str(ckpt)], check=False)
+    line = _one_error_line(result)
+    assert str(state) in line and "checkpoint is damaged" in line
+
+
+def test_full_path_spills_to_the_other(tmp_path, baseline):
+    result, out = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 2)],
+                              env={FAULT: "enospc:0"})
+    assert "now go to" in result.stdout and "No space left" in result.stdout
+    assert train_losses(out) == baseline("bf16")
+    last = [r for r in read_metrics(out) if "offload/step_s" in r][-1]
+    assert last["offload/path0_subgroups"] == 0
+
+
+def test_full_only_path_is_a_clear_error(tmp_path):
+    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 1)],
+                            env={FAULT: "enospc:0"}, check=False)
+    line = _one_error_line(result)
+    assert "No space left" in line and "last checkpoint is intact" in line
+
+
+def test_vanished_path_is_a_clear_error(tmp_path):
+    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 2)],
+                            env={FAULT: "vanish:1:4"}, check=False)
+    line = _one_error_line(result)
+    assert "does not exist" in line and str(tmp_path / "tier1") in line
+
+
+def test_throttled_path_loses_subgroups(tmp_path):
+    # Bandwidths as given are equal; from step 3 on, I/O on tier1 takes 8x as long.
+    dirs = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir()
+        dirs.append(f"{tmp_path / f'tier{i}'}@1,1")
+    _, out = run_offload(tmp_path, ["--bf16", "--offload-paths", *dirs, *SMALL],
+                         env={FAULT: "slow:1:8:3"})
+    counts = [r["offload/path1_subgroups"] for r in read_metrics(out) if "offload/step_s" in r]
+    assert counts[0] == 6, counts
+    first_move = next(i for i, c in enumerate(counts) if c < 6)
+    assert first_move <= 3 + 6, counts  # within 6 steps of the slowdown
+    assert counts[-1] <= 3, counts
