@@ -53,6 +53,7 @@ ENABLED = {"all-off": (), "alt": ("alternate",), "alt-delayed": ("alternate", "d
 
 
 def probe(path: str, size_mb: int) -> dict:
+    """O_DIRECT read/write bandwidth of ``path`` (tools/probe_tiers.py's probe)."""
     from megatron_ext.offload.tiers import probe_bandwidth
 
     result = probe_bandwidth(path, size_mb=size_mb, threads=4, direct_io=True)
@@ -61,6 +62,7 @@ def probe(path: str, size_mb: int) -> dict:
 
 
 def config_args(name: str, a, bandwidth: dict) -> list:
+    """pretrain_gpt.py flags of one configuration."""
     if name == "no-offload":
         return []
     if name == "mcore-offload":
@@ -81,6 +83,7 @@ def config_args(name: str, a, bandwidth: dict) -> list:
 
 
 def run_config(name: str, a, bandwidth: dict) -> dict:
+    """Runs one configuration; returns its summary (step times, breakdown, I/O floor)."""
     extra = config_args(name, a, bandwidth)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
@@ -126,6 +129,7 @@ def run_config(name: str, a, bandwidth: dict) -> dict:
 
 
 def run_deepspeed(a) -> dict:
+    """DeepSpeed ZeRO-Infinity (peer bundle) on the same model and disk."""
     nvme = os.path.join(a.disk, "deepspeed-swap")
     os.makedirs(nvme, exist_ok=True)
     cmd = [sys.executable, os.path.join(a.deepspeed_bundle, "zero_infinity_bench.py"),
@@ -187,6 +191,13 @@ def main() -> int:
           "| GPU GiB |")
     print("|---|---|---|---|---|")
     for run in results["runs"]:
+        if "json" in run:  # DeepSpeed's own summary line
+            ds = run["json"]
+            times = ds.get("step_times_s", [])
+            print(f"| {run['config']} | {min(times):.3f} / {ds['median_step_s']:.3f} / "
+                  f"{statistics.fmean(times):.3f} / {max(times):.3f} ({len(times)}) | "
+                  f"{ds['median_opt_step_s']:.3f} | | {ds['peak_gpu_mem_gib']:.1f} |")
+            continue
         if "step_s" not in run:
             print(f"| {run['config']} | failed or see JSON (rc {run['returncode']}) | | | |")
             continue

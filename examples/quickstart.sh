@@ -6,7 +6,8 @@
 # 2. builds a real corpus that ships with every Python installation (the standard
 #    library's source text) with tools/build_corpus.py,
 # 3. trains a SentencePiece tokenizer on it, 4. preprocesses it to .bin/.idx,
-# 5. pretrains a small GPT with pretrain_gpt.py (CPU when there is no GPU), printing the
+# 5. pretrains a small GPT with pretrain_gpt.py (CPU when there is no GPU) with its
+#    optimizer states offloaded to a host cache and files under $WORK/offload, printing the
 #    iteration breakdown, saving checkpoints, metrics JSONL and an offline wandb run,
 # 6. plots the metrics to breakdown.png with tools/plot_breakdown.py.
 # Knobs (environment): QUICKSTART_DIR (default runs/quickstart), QUICKSTART_ITERS (150),
@@ -81,11 +82,16 @@ TRAIN=(--micro-batch-size 8 --global-batch-size 16 --train-iters "$ITERS" --lr 2
        --clip-grad 1.0 --use-distributed-optimizer --hidden-dropout 0 --attention-dropout 0)
 DATA=(--data-path "$WORK/stdlib_text_document" --split 98,2,0
       --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$WORK/tokenizer.model")
+# The optimizer states leave the model's device: 6 subgroups of 1M elements, 3 of them in a
+# 36 MB host cache, the rest in files under $WORK/offload (its bandwidth probed at start).
+mkdir -p "$WORK/offload"
+OFFLOAD=(--offload-optimizer --offload-paths "$WORK/offload" --offload-subgroup-size 1000000
+         --offload-host-cache-gb 0.036)
 OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --save-interval 50
         --log-interval 10 --eval-interval 50 --eval-iters 4
         --metrics-path "$WORK/metrics.jsonl" --wandb-project megatron_ext-quickstart
         --wandb-exp-name quickstart --wandb-save-dir "$WORK" --wandb-mode offline)
-"$PY" pretrain_gpt.py "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUT[@]}"
+"$PY" pretrain_gpt.py "${MODEL[@]}" "${TRAIN[@]}" "${OFFLOAD[@]}" "${DATA[@]}" "${OUTPUT[@]}"
 
 step "plot of the iteration breakdown"
 "$PY" tools/plot_breakdown.py "$WORK/metrics.jsonl" --output "$WORK/breakdown.png" \

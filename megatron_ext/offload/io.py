@@ -109,9 +109,32 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, pin: bool = Fal
     if nbytes < 0 or nbytes % itemsize:
         raise ValueError(f"aligned_empty: {nbytes} bytes is not a multiple of {dtype}'s size")
     # The raw allocation's start is arbitrary, so reserve a whole ALIGN of slack to slide.
-    raw = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8)
+    if pin:
+        _register_pinned(raw)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes].view(dtype)
+
+
+def _register_pinned(raw: torch.Tensor) -> None:
+    """Page-locks an existing allocation (cudaHostRegister) for the life of the process.
+
+    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator,
+    which rounds every block up to a power of two: a 1.2 GB subgroup buffer takes 2 GB,
+    and a 6.7B model's states (80 GB) asked for 136 GB and were killed for host memory on
+    the 125 GiB H200 machine (2026-11-30). Registering the exact allocation costs nothing
+    extra. The allocation is kept here so that it is never freed while registered (the
+    engine holds its buffers until the process ends anyway).
+    """
+    cudart = torch.cuda.cudart()
+    ptr, size = raw.data_ptr(), raw.numel()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
+    _REGISTERED.append(raw)
+
+
+_REGISTERED: List[torch.Tensor] = []
 
 
 def secure_makedirs(path: str) -> None:
