@@ -51,6 +51,12 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     png = work / "breakdown.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 20_000
+    # The optimizer states were offloaded: half of the 6 subgroups went through the path.
+    last = [r for r in records if "lm_loss" in r][-1]
+    assert last["offload/device_state_bytes"] == 0 and last["offload/io_bytes"] > 0
+    assert (ckpt / f"iter_{ITERS:07d}" / "offload" / "rank00000" / "manifest.json").is_file()
+    assert not list((work / "offload").rglob("sg*")), "tier files left after the run"
     height, width = matplotlib.image.imread(png).shape[:2]
-    assert (width, height) == (1210, round((0.8 + 2.4 * 4) * 110))  # the 4 core panels
+    # The 4 core panels and the offload ones (time, ratio, bandwidth, memory, values).
+    assert (width, height) == (1210, round((0.8 + 2.4 * 9) * 110))
     assert f"plot: {work}/breakdown.png" in out
