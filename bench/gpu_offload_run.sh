@@ -6,19 +6,7 @@
 # Needs .whl/ (megatron-core, xxhash, crc32c cp312 wheels) and, for deepspeed-nvme,
 # .peers/deepspeed carried along.
 set -uo pipefail
-OUT="${OUT:-/tmp/gpu-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/mext-site .whl/*.whl || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH="/tmp/mext-site${PYTHONPATH:+:$PYTHONPATH}"
-{
-  date -u +"%Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)" 2>/dev/null
-  nproc; free -g | head -2; df -h / /dev/shm | tail -2
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+. "$(dirname "$0")/gpu_setup.sh"
 if [ -n "${TESTS:-}" ]; then
   echo "== pytest $TESTS"
   python3 -m pytest -q $TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15

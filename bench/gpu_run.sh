@@ -4,19 +4,7 @@
 # Usage (repository root, on the GPU machine): OUT=/some/dir bash bench/gpu_run.sh [ds]
 # Needs .whl/ (megatron-core cp312 wheel) and, for 'ds', .peers/deepspeed carried along.
 set -uo pipefail
-OUT="${OUT:-/tmp/gpu-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/mext-site .whl/*.whl || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH="/tmp/mext-site${PYTHONPATH:+:$PYTHONPATH}"
-{
-  date -u +"%Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)" 2>/dev/null
-  nproc; free -g | head -2
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+. "$(dirname "$0")/gpu_setup.sh"
 echo "== tests/gpu"
 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
 echo "== bench: reference GPT, no offload"

@@ -98,7 +98,8 @@ class OffloadedDistributedOptimizer(DistributedOptimizer):
             return False
         # Unscaling waits for the engine (in fp32, per subgroup); the inv scale of this
         # step is the one before the scaler's update.
-        self._inv_scale = self.grad_scaler.inv_scale.detach().clone().cpu()
+        # A 0-dim tensor: it multiplies host and device tensors alike.
+        self._inv_scale = self.grad_scaler.inv_scale.detach().reshape(()).cpu()
         grads = self._shard_grads()
         if grads:
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
