@@ -10,10 +10,13 @@ Panels, top to bottom, sharing the iteration axis:
   and on a GPU the peak allocated and reserved memory);
 * for the fields of an optional feature (``offload/...``, ``zenflow/...``), only when the
   file has them, one panel per kind of field, found by the unit in the name: ``<p>/time``
-  (``*_s``, stacked), ``<p>/ratio`` (``*_rate``, ``*_ratio``, ``*_fraction`` or fields
-  whose values all lie in [0, 1]), ``<p>/bandwidth`` (``*_gbps``), ``<p>/memory``
-  (``*_gib``), ``<p>/rate`` (``*_per_s``) and ``<p>/values`` (anything else). New fields
-  of those features therefore show up without changing this tool.
+  (``*_s``, stacked: phases of the iteration that add up), ``<p>/background``
+  (``*_bg_s``, lines: busy time of threads that run alongside, e.g. the offload engine's
+  I/O, which must not be stacked onto the phases), ``<p>/ratio`` (``*_rate``,
+  ``*_ratio``, ``*_fraction`` or fields whose values all lie in [0, 1]),
+  ``<p>/bandwidth`` (``*_gbps``), ``<p>/memory`` (``*_gib``), ``<p>/rate`` (``*_per_s``)
+  and ``<p>/values`` (anything else). New fields of those features therefore show up
+  without changing this tool.
 
 Each training record is the mean over its logging interval, so with ``--log-interval N``
 a bar spans the N iterations it averages. When a resumed run appended iterations that the
@@ -62,10 +65,11 @@ FEATURE_PREFIXES = ("offload/", "zenflow/")
 # Kinds of feature fields by name suffix, the first match wins (so "_per_s" before "_s").
 # Ratios are also recognised by their values (see classify_field).
 _SUFFIX_KINDS = (("_per_s", "rate"), ("_gbps", "bandwidth"), ("_gib", "memory"),
-                 ("_s", "time"), ("_rate", "ratio"), ("_ratio", "ratio"),
-                 ("_fraction", "ratio"))
-_KIND_ORDER = ("time", "ratio", "bandwidth", "memory", "rate", "values")
-_KIND_YLABEL = {"time": "time per iteration ({unit})", "ratio": "ratio (0-1)",
+                 ("_bg_s", "background"), ("_s", "time"), ("_rate", "ratio"),
+                 ("_ratio", "ratio"), ("_fraction", "ratio"))
+_KIND_ORDER = ("time", "background", "ratio", "bandwidth", "memory", "rate", "values")
+_KIND_YLABEL = {"time": "time per iteration ({unit})",
+                "background": "busy time per iteration (s)", "ratio": "ratio (0-1)",
                 "bandwidth": "GB/s", "memory": "GiB", "rate": "per second", "values": "value"}
 # Above this many records a stacked area replaces the stacked bars (faster, and bars
 # would be thinner than a pixel anyway).

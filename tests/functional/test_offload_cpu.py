@@ -94,7 +94,7 @@ def test_offload_matches_plain_optimizer(tmp_path, baseline, precision, layout):
                                     *switches])
     records = read_metrics(out)
     assert losses_of(records) == baseline(precision)
-    last = [r for r in records if "offload/step_s" in r][-1]
+    last = [r for r in records if "offload/cache_hit_rate" in r][-1]
     # No fp32 master or moment tensor outside the engine (megatron-core's are freed).
     assert last["offload/device_state_bytes"] == 0
     if n_paths:
@@ -123,7 +123,7 @@ def test_files_follow_the_bandwidth_proportion(tmp_path):
     # tier0: read 2, write 1 GB/s -> 1/(1/2 + 1) = 0.667; tier1: 0.5. Expected share 0.571,
     # within one subgroup of the 12 (the last one is smaller).
     assert abs(share - 0.667 / 1.167) < 1 / 12 + 0.01, share
-    last = [r for r in read_metrics(out) if "offload/step_s" in r][-1]
+    last = [r for r in read_metrics(out) if "offload/cache_hit_rate" in r][-1]
     assert last["offload/path0_subgroups"] == 7 and last["offload/path1_subgroups"] == 5
 
 
@@ -195,7 +195,7 @@ def test_full_path_spills_to_the_other(tmp_path, baseline):
                               env={FAULT: "enospc:0"})
     assert "now go to" in result.stdout and "No space left" in result.stdout
     assert train_losses(out) == baseline("bf16")
-    last = [r for r in read_metrics(out) if "offload/step_s" in r][-1]
+    last = [r for r in read_metrics(out) if "offload/cache_hit_rate" in r][-1]
     assert last["offload/path0_subgroups"] == 0
 
 
@@ -221,7 +221,8 @@ def test_throttled_path_loses_subgroups(tmp_path):
         dirs.append(f"{tmp_path / f'tier{i}'}@1,1")
     _, out = run_offload(tmp_path, ["--bf16", "--offload-paths", *dirs, *SMALL],
                          env={FAULT: "slow:1:8:3"})
-    counts = [r["offload/path1_subgroups"] for r in read_metrics(out) if "offload/step_s" in r]
+    counts = [r["offload/path1_subgroups"] for r in read_metrics(out)
+              if "offload/cache_hit_rate" in r]
     assert counts[0] == 6, counts
     first_move = next(i for i, c in enumerate(counts) if c < 6)
     assert first_move <= 3 + 6, counts  # within 6 steps of the slowdown

@@ -28,7 +28,7 @@ import mext_testing
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CORE_PANELS = ["time", "loss", "throughput", "memory"]
-OFFLOAD_PANELS = ["offload/time", "offload/ratio", "offload/bandwidth"]
+OFFLOAD_PANELS = ["offload/time", "offload/background", "offload/ratio", "offload/bandwidth"]
 ZENFLOW_PANELS = ["zenflow/time", "zenflow/ratio"]
 
 
@@ -43,8 +43,8 @@ def synthetic_records(iterations=range(10, 101, 10), offload=False, zenflow=Fals
                   "throughput/tokens_per_s": 40000.0, "memory/host_rss_gib": 12.0,
                   "memory/gpu_max_allocated_gib": 30.5}
         if offload:
-            record.update({"offload/fetch_s": 0.02, "offload/convert_s": 0.005,
-                           "offload/update_s": 0.03, "offload/flush_s": 0.01,
+            record.update({"offload/fetch_bg_s": 0.02, "offload/convert_s": 0.005,
+                           "offload/update_s": 0.03, "offload/flush_bg_s": 0.01,
                            "offload/stall_s": 0.004, "offload/cache_hit_rate": 0.6,
                            "offload/path/nvme/read_gbps": 6.5,
                            "offload/path/pfs/read_gbps": 2.1})
@@ -103,8 +103,10 @@ def test_feature_fields_are_grouped_by_unit():
     panels = {p.name: p for p in plan_panels(train, evals)}
     keys = lambda name: sorted(s.key for s in panels[name].series)  # noqa: E731
     assert panels["offload/time"].kind == "stacked"
-    assert keys("offload/time") == ["offload/convert_s", "offload/fetch_s", "offload/flush_s",
-                                    "offload/stall_s", "offload/update_s"]
+    assert keys("offload/time") == ["offload/convert_s", "offload/stall_s", "offload/update_s"]
+    # I/O threads run alongside the phases: their busy time is drawn apart, as lines.
+    assert panels["offload/background"].kind == "lines"
+    assert keys("offload/background") == ["offload/fetch_bg_s", "offload/flush_bg_s"]
     assert keys("offload/ratio") == ["offload/cache_hit_rate"]
     assert panels["offload/ratio"].ylim == (0.0, 1.05)
     assert keys("offload/bandwidth") == ["offload/path/nvme/read_gbps",
@@ -120,6 +122,7 @@ def test_feature_fields_are_grouped_by_unit():
 
 @pytest.mark.parametrize("key,values,kind", [
     ("offload/fetch_s", [3.0], "time"),
+    ("offload/fetch_bg_s", [3.0], "background"),
     ("offload/path/nvme/write_gbps", [0.5], "bandwidth"),
     ("offload/pinned_gib", [0.5], "memory"),
     ("offload/params_per_s", [0.5], "rate"),
