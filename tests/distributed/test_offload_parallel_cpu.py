@@ -10,10 +10,12 @@ import pytest
 
 from mext_testing import TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
 
-BASE = [*TINY, "--train-iters", "20", "--use-distributed-optimizer", "--bf16"]
-LAYOUTS = {"dp2": [], "dp2-overlap": ["--overlap-grad-reduce", "--overlap-param-gather",
-                                      "--global-batch-size", "16"],
-           "tp2": ["--tensor-model-parallel-size", "2"]}
+BASE = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
+LAYOUTS = {"dp2": ["--bf16"],
+           "dp2-overlap": ["--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+                           "--global-batch-size", "16"],
+           "tp2": ["--bf16", "--tensor-model-parallel-size", "2"],
+           "dp2-fp32": []}
 # Each rank's shard (~60k elements) in subgroups of 5000, three of them cached.
 SMALL = ["--offload-subgroup-size", "5000", "--offload-host-cache-gb", "0.00018"]
 
@@ -29,14 +31,15 @@ def paths(tmp_path) -> list:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_two_ranks_offload_equals_plain(tmp_path, layout):
     plain, offload = tmp_path / "plain.jsonl", tmp_path / "offload.jsonl"
-    run_pretrain([*BASE, *LAYOUTS[layout], "--metrics-path", str(plain)], nproc=2)
-    run_pretrain([*BASE, *LAYOUTS[layout], "--offload-optimizer", *paths(tmp_path),
+    flags = [*BASE, *LAYOUTS[layout]]
+    run_pretrain([*flags, "--metrics-path", str(plain)], nproc=2)
+    run_pretrain([*flags, "--offload-optimizer", *paths(tmp_path),
                   "--metrics-path", str(offload)], nproc=2)
     assert train_losses(offload) == train_losses(plain)
 
 
 def test_two_ranks_offload_resume_is_exact(tmp_path):
-    flags = [*BASE, "--offload-optimizer", *paths(tmp_path)]
+    flags = [*BASE, "--bf16", "--offload-optimizer", *paths(tmp_path)]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, nproc=2)
     assert losses_of(resumed) == losses_of(straight)
 
@@ -60,7 +63,7 @@ def _overlaps(trace_text: str) -> tuple:
 
 def test_ranks_of_one_node_take_turns_on_a_path(tmp_path):
     trace = tmp_path / "trace.txt"
-    run_pretrain([*BASE, "--offload-optimizer", *paths(tmp_path)], nproc=2,
+    run_pretrain([*BASE, "--bf16", "--offload-optimizer", *paths(tmp_path)], nproc=2,
                  env={"MEGATRON_EXT_OFFLOAD_TRACE": str(trace)})
     overlaps, pids = _overlaps(trace.read_text())
     assert len(pids) == 2 and min(pids.values()) > 100, pids
@@ -71,7 +74,7 @@ def test_without_concurrency_control_ranks_collide(tmp_path):
     """The check above can fail: with the lock off (and I/O slowed to make it long), the two
     ranks' operations on a path do overlap."""
     trace = tmp_path / "trace.txt"
-    run_pretrain([*BASE, "--offload-optimizer", *paths(tmp_path),
+    run_pretrain([*BASE, "--bf16", "--offload-optimizer", *paths(tmp_path),
                   "--no-offload-concurrency-control", "--no-offload-rebalance"], nproc=2,
                  env={"MEGATRON_EXT_OFFLOAD_TRACE": str(trace),
                       "MEGATRON_EXT_OFFLOAD_FAULT": "slow:0:10:1;slow:1:10:1"})

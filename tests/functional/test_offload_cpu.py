@@ -227,3 +227,15 @@ def test_throttled_path_loses_subgroups(tmp_path):
     first_move = next(i for i, c in enumerate(counts) if c < 6)
     assert first_move <= 3 + 6, counts  # within 6 steps of the slowdown
     assert counts[-1] <= 3, counts
+
+
+def test_two_jobs_on_one_path_keep_apart(tmp_path, baseline):
+    """Two jobs started at once on the same path each see only their own state."""
+    flags = [*BASE, "--bf16", "--offload-optimizer", *path_flags(tmp_path, 1)]
+    outs = [tmp_path / f"job{i}.jsonl" for i in range(2)]
+    procs = [launch([*flags, "--metrics-path", str(out)]) for out in outs]
+    for proc in procs:
+        text = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, text[-3000:]
+    for out in outs:
+        assert train_losses(out) == baseline("bf16")
