@@ -28,9 +28,11 @@ class OffloadConfig:
     writes under DIR/megatron_ext-USER/JOB/rankNNNNN (owner-only). With no path, every
     state stays in host memory."""
     offload_host_cache_gb: Optional[float] = None
-    """Host memory, in GB per rank, for subgroup states (cache plus pipeline buffers).
-    Default: everything in host memory when there is no --offload-paths, else three
-    subgroups (the minimum that overlaps fetch, update and flush). Pinned on GPU machines."""
+    """Host memory, in GB per rank, for subgroup states (the cache, including the buffers
+    being fetched and flushed; 12 bytes per element). Default: everything in host memory
+    when there is no --offload-paths, else three subgroups (the minimum that overlaps
+    fetch, update and flush). Pinned on GPU machines. The pipeline adds about 8 bytes per
+    element of one subgroup (gradient staging and an fp32 scratch)."""
     offload_subgroup_size: int = 100_000_000
     """Elements per subgroup: the unit of fetch, update and flush (12 bytes of state per
     element). Smaller subgroups pipeline more finely but do more, smaller I/O."""
