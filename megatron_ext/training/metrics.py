@@ -109,7 +109,23 @@ def format_line(record: dict, train_iters: int) -> str:
                          for k in ("time/forward_s", "time/backward_s", "time/grad_sync_s",
                                    "time/optimizer_s") if k in record)
     parts.append(f"breakdown (ms): {breakdown}")
+    if "offload/cache_hit_rate" in record:
+        parts.append(_offload_summary(record))
     return " | ".join(parts) + " |"
+
+
+def _offload_summary(record: dict) -> str:
+    """The offload engine's part of the stdout line.
+
+    Main-thread phases, the I/O threads' busy time (which overlaps them), cache hits and
+    bytes moved per iteration.
+    """
+    ms = lambda key: record.get(f"offload/{key}", 0.0) * 1000  # noqa: E731
+    return (f"offload (ms): stall {ms('stall_s'):.1f} convert {ms('convert_s'):.1f} "
+            f"update {ms('update_s'):.1f} writeback {ms('writeback_s'):.1f}, io threads "
+            f"fetch {ms('fetch_bg_s'):.1f} flush {ms('flush_bg_s'):.1f} lock wait "
+            f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
+            f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
 
 
 def memory_stats(runtime) -> dict:

@@ -241,3 +241,10 @@ def test_two_jobs_on_one_path_keep_apart(tmp_path, baseline):
         assert proc.returncode == 0, text[-3000:]
     for out in outs:
         assert train_losses(out) == baseline("bf16")
+
+
+def test_stdout_line_carries_the_offload_breakdown(tmp_path):
+    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 1)])
+    lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration")]
+    assert len(lines) == ITERS
+    assert all("offload (ms): stall" in line and "cache hits" in line for line in lines)
