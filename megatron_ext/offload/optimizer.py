@@ -238,7 +238,7 @@ class OffloadedDistributedOptimizer(DistributedOptimizer):
     def metrics(self) -> Dict[str, float]:
         """The engine's ``offload/*`` metrics since the last call."""
         record = self.engine.metrics()
-        record["offload/device_state_bytes"] = self.device_state_bytes()
+        record["offload/device_state_gib"] = self.device_state_bytes() / 2**30
         return record
 
     def close(self) -> None:

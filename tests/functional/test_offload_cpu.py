@@ -98,7 +98,7 @@ def test_offload_matches_plain_optimizer(tmp_path, baseline, precision, layout):
     assert losses_of(records) == baseline(precision)
     last = [r for r in records if "offload/cache_hit_rate" in r][-1]
     # No fp32 master or moment tensor outside the engine (megatron-core's are freed).
-    assert last["offload/device_state_bytes"] == 0
+    assert last["offload/device_state_gib"] == 0
     if n_paths:
         assert last["offload/io_bytes"] > 0, "nothing went through the paths"
         # The run's files are gone after it (checkpoints keep their own copies).

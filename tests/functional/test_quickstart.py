@@ -53,7 +53,7 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     assert png.stat().st_size > 20_000
     # The optimizer states were offloaded: half of the 6 subgroups went through the path.
     last = [r for r in records if "lm_loss" in r][-1]
-    assert last["offload/device_state_bytes"] == 0 and last["offload/io_bytes"] > 0
+    assert last["offload/device_state_gib"] == 0 and last["offload/io_bytes"] > 0
     assert (ckpt / f"iter_{ITERS:07d}" / "offload" / "rank00000" / "manifest.json").is_file()
     assert not list((work / "offload").rglob("sg*")), "tier files left after the run"
     height, width = matplotlib.image.imread(png).shape[:2]
