@@ -167,9 +167,14 @@ def secure_makedirs(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise OffloadStateError(f"offload directory {path} exists and is not a directory: "
                                 f"remove it or {_OWN_DIR}")
+    _check_owner(st, f"offload directory {path}")
+
+
+def _check_owner(st: os.stat_result, what: str) -> None:
+    """Refuses a file or directory of another user (a shared scratch directory's trap)."""
     if st.st_uid != os.geteuid():
-        raise OffloadStateError(f"offload directory {path} is owned by uid {st.st_uid}, not by "
-                                f"this user (uid {os.geteuid()}): {_OWN_DIR}")
+        raise OffloadStateError(f"{what} is owned by uid {st.st_uid}, not by this user "
+                                f"(uid {os.geteuid()}): {_OWN_DIR}")
 
 
 def read_header(path: str) -> dict:
@@ -512,9 +517,7 @@ def _open_for_read(path: str, opener: Callable[[str, int], Tuple[int, bool]]):
         if not stat.S_ISREG(st.st_mode):
             raise OffloadStateError(f"offload state file {path} is not a regular file: remove "
                                     f"it, and {_OWN_DIR}")
-        if st.st_uid != os.geteuid():
-            raise OffloadStateError(f"offload state file {path} is owned by uid {st.st_uid}, "
-                                    f"not by this user (uid {os.geteuid()}): {_OWN_DIR}")
+        _check_owner(st, f"offload state file {path}")
     except BaseException:
         os.close(fd)
         raise
