@@ -161,11 +161,12 @@ class OffloadEngine:
             self._prepare_rank_dir(directory)
         self._bad_paths: set = set()
         self.capacity = self._cache_capacity()
-        sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
+        # Bytes of each subgroup's state file payload.
+        self.sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
         if self.tiers:
             weights = [t.effective_gbps for t in self.tiers]
             free = [check_free_space(t.path, 0) for t in self.tiers]
-            self.home = place_subgroups(sizes, weights, cfg.offload_placement, capacity=free)
+            self.home = place_subgroups(self.sizes, weights, cfg.offload_placement, capacity=free)
             self.rebalancer = (Rebalancer(weights) if cfg.offload_rebalance and len(self.tiers) > 1
                                else None)
         else:
@@ -273,13 +274,7 @@ class OffloadEngine:
         if kind == "state" and step != self.version[subgroup]:
             raise OffloadStateError(f"offload state file {name} belongs to step {step}, expected "
                                     f"{self.version[subgroup]}: restart from the last checkpoint")
-        nbytes = out.numel() * 4
-        with self.stats.lock:
-            self.stats.read_bytes[path] += nbytes
-            self.stats.read_s[path] += seconds
-            self.stats.time["fetch"] += seconds
-        if self.rebalancer is not None:
-            self.rebalancer.observe(path, nbytes, seconds)
+        self._account("read", path, out.numel() * 4, seconds)
 
     def _write(self, subgroup: int, buffer: torch.Tensor, kind: str = "state") -> None:
         """Writes a subgroup's file to its home path; spills to another path on a path error."""
@@ -306,12 +301,7 @@ class OffloadEngine:
                 if err.errno not in _PATH_ERRNOS:
                     raise
                 self._spill(subgroup, path, nbytes, err)
-        with self.stats.lock:
-            self.stats.write_bytes[path] += nbytes
-            self.stats.write_s[path] += seconds
-            self.stats.time["flush"] += seconds
-        if self.rebalancer is not None:
-            self.rebalancer.observe(path, nbytes, seconds)
+        self._account("write", path, nbytes, seconds)
         if kind == "grad":
             self._grad_files[subgroup] = path
         else:
@@ -320,6 +310,21 @@ class OffloadEngine:
             if old is not None and old != path:
                 with contextlib.suppress(OSError):
                     os.unlink(self._file(subgroup, old, kind))
+
+    def _account(self, op: str, path: int, nbytes: int, seconds: float) -> None:
+        """Counts one read or write in the metrics and in the rebalancer's observations."""
+        s = self.stats
+        with s.lock:
+            if op == "read":
+                s.read_bytes[path] += nbytes
+                s.read_s[path] += seconds
+                s.time["fetch"] += seconds
+            else:
+                s.write_bytes[path] += nbytes
+                s.write_s[path] += seconds
+                s.time["flush"] += seconds
+        if self.rebalancer is not None:
+            self.rebalancer.observe(path, nbytes, seconds)
 
     def _inject_write_faults(self, name: str, path: int, payload: torch.Tensor) -> None:
         if not self._faults.rules:
@@ -511,8 +516,7 @@ class OffloadEngine:
             torch.cuda.current_stream(self.device).wait_stream(self._h2d)
         self._grad_files.clear()
         if self.rebalancer is not None:
-            sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
-            for index, source, target in self.rebalancer.end_step(self.home, sizes):
+            for index, source, target in self.rebalancer.end_step(self.home, self.sizes):
                 if target in self._bad_paths:
                     continue
                 log.info("offload: rank %d moves subgroup %d from %s to %s (observed "
