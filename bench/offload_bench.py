@@ -20,6 +20,11 @@ Configurations (``--configs``, comma-separated):
   all-on                + concurrency control and rebalancing (all techniques)
   all-on-2paths         + a second path given by --second-path (name it a stand-in)
   deepspeed-nvme        DeepSpeed ZeRO-Infinity (the peer bundle), same model, same disk
+
+A configuration name may end in ``@GB`` (``all-on@9.6``): that run's host cache budget
+instead of ``--cache-gb``. Every run also reports the peak resident set size of its process
+(``peak_rss_gib``, from wait4's rusage): the host memory it really used, pinned buffers,
+CUDA context and all, so that budgets can be compared across engines.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +67,34 @@ def probe(path: str, size_mb: int) -> dict:
             "direct_io": result.direct_io_used, "size_mb": size_mb}
 
 
+def split_name(name: str):
+    """``all-on@9.6`` -> (``all-on``, 9.6); ``all-on`` -> (``all-on``, None)."""
+    base, _, cache = name.partition("@")
+    return base, float(cache) if cache else None
+
+
+def run_measured(cmd, a, **kwargs):
+    """Runs ``cmd``; returns (returncode, stdout+stderr, peak RSS of the process in GiB).
+
+    The peak comes from wait4's rusage of that one child (ru_maxrss, KiB on Linux).
+    """
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, **kwargs)
+        timer = threading.Timer(a.timeout, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        output = log.read()
+    return proc.returncode, output, usage.ru_maxrss / 2**20
+
+
 def config_args(name: str, a, bandwidth: dict) -> list:
     """pretrain_gpt.py flags of one configuration."""
+    name, cache_gb = split_name(name)
     if name == "no-offload":
         return []
     if name == "mcore-offload":
@@ -76,7 +108,7 @@ def config_args(name: str, a, bandwidth: dict) -> list:
     if name == "all-on-2paths":
         second = bandwidth[a.second_path]
         paths.append(f"{a.second_path}@{second['read_gbps']:.2f},{second['write_gbps']:.2f}")
-    args += ["--offload-paths", *paths, "--offload-host-cache-gb", str(a.cache_gb),
+    args += ["--offload-paths", *paths, "--offload-host-cache-gb", str(cache_gb or a.cache_gb),
              "--offload-direct-io"]
     args += [flag for key, flag in OFF_SWITCHES.items() if key not in ENABLED[name]]
     return args
@@ -90,13 +122,13 @@ def run_config(name: str, a, bandwidth: dict) -> dict:
         cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *REFERENCE, *extra,
                "--train-iters", str(a.iters), "--metrics-path", str(metrics)]
         print(f"== {name}: {' '.join(shlex.quote(x) for x in extra)}", flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                              timeout=a.timeout)
+        returncode, output, peak_rss = run_measured(cmd, a, cwd=ROOT)
         records = ([json.loads(line) for line in metrics.read_text().splitlines()
                     if "lm_loss" in line] if metrics.exists() else [])
-    result = {"config": name, "args": extra, "returncode": proc.returncode}
-    if proc.returncode != 0 or len(records) <= a.warmup:
-        result["tail"] = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
+    result = {"config": name, "args": extra, "returncode": returncode,
+              "peak_rss_gib": peak_rss}
+    if returncode != 0 or len(records) <= a.warmup:
+        result["tail"] = output.strip().splitlines()[-25:]
         print("\n".join(result["tail"][-8:]), flush=True)
         return result
     measured = records[a.warmup:]
@@ -111,7 +143,7 @@ def run_config(name: str, a, bandwidth: dict) -> dict:
     if offload:
         result["offload"] = offload
         floor = 0.0
-        paths = [a.disk] + ([a.second_path] if name == "all-on-2paths" else [])
+        paths = [a.disk] + ([a.second_path] if split_name(name)[0] == "all-on-2paths" else [])
         for i, path in enumerate(paths):
             bw = bandwidth[path]
             floor += (offload.get(f"offload/path{i}_read_bytes", 0.0) / (bw["read_gbps"] * 1e9)
@@ -137,11 +169,11 @@ def run_deepspeed(a) -> dict:
            "--heads", "16", "--vocab", "32000", "--seq", "2048", "--micro-batch", "4",
            "--warmup", str(a.warmup), "--steps", str(a.iters - a.warmup)]
     print(f"== deepspeed-nvme: {' '.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    returncode, output, peak_rss = run_measured(cmd, a)
     shutil.rmtree(nvme, ignore_errors=True)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    result = {"config": "deepspeed-nvme", "command": " ".join(cmd),
-              "returncode": proc.returncode, "tail": lines[-30:]}
+    lines = output.strip().splitlines()
+    result = {"config": "deepspeed-nvme", "command": " ".join(cmd), "returncode": returncode,
+              "peak_rss_gib": peak_rss, "tail": lines[-30:]}
     for line in reversed(lines):
         if line.startswith("{"):
             try:
@@ -188,23 +220,25 @@ def main() -> int:
         results["runs"].append(run)
         out.write_text(json.dumps(results, indent=1) + "\n")
     print("| config | step s min / median / mean / max (n) | optimizer s (median) | I/O floor s "
-          "| GPU GiB |")
-    print("|---|---|---|---|---|")
+          "| GPU GiB | peak host RSS GiB |")
+    print("|---|---|---|---|---|---|")
     for run in results["runs"]:
         if "json" in run:  # DeepSpeed's own summary line
             ds = run["json"]
             times = ds.get("step_times_s", [])
             print(f"| {run['config']} | {min(times):.3f} / {ds['median_step_s']:.3f} / "
                   f"{statistics.fmean(times):.3f} / {max(times):.3f} ({len(times)}) | "
-                  f"{ds['median_opt_step_s']:.3f} | | {ds['peak_gpu_mem_gib']:.1f} |")
+                  f"{ds['median_opt_step_s']:.3f} | | {ds['peak_gpu_mem_gib']:.1f} | "
+                  f"{run['peak_rss_gib']:.1f} |")
             continue
         if "step_s" not in run:
-            print(f"| {run['config']} | failed or see JSON (rc {run['returncode']}) | | | |")
+            print(f"| {run['config']} | failed or see JSON (rc {run['returncode']}) | | | | |")
             continue
         s = run["step_s"]
         print(f"| {run['config']} | {s['min']:.3f} / {s['median']:.3f} / {s['mean']:.3f} / "
               f"{s['max']:.3f} ({s['n']}) | {run['optimizer_s']['median']:.3f} | "
-              f"{run.get('io_floor_s', float('nan')):.3f} | {run['gpu_max_allocated_gib']:.1f} |")
+              f"{run.get('io_floor_s', float('nan')):.3f} | {run['gpu_max_allocated_gib']:.1f} | "
+              f"{run['peak_rss_gib']:.1f} |")
     return 0
 
 

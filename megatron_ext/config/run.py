@@ -17,6 +17,7 @@ from megatron_ext.config.sections import (
 )
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
+from megatron_ext.zenflow.config import ZenFlowConfig
 
 
 @dataclasses.dataclass
@@ -28,6 +29,7 @@ class RunConfig:
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    zenflow: ZenFlowConfig = dataclasses.field(default_factory=ZenFlowConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -80,6 +82,18 @@ class RunConfig:
                                  "offloads of the same states; choose one")
             if opt.optimizer != "adam":
                 raise UsageError("--offload-optimizer supports --optimizer adam only")
+        if self.zenflow.zenflow:
+            if not self.parallel.use_distributed_optimizer:
+                raise UsageError("--zenflow splits the distributed optimizer's shard between the "
+                                 "GPU and the CPU: add --use-distributed-optimizer")
+            if opt.optimizer_cpu_offload:
+                raise UsageError("--zenflow and --optimizer-cpu-offload both move optimizer "
+                                 "states to the host; choose one")
+            if self.offload.offload_optimizer:
+                raise UsageError("--zenflow with --offload-optimizer (ZenFlow's CPU side in the "
+                                 "offload tiers) is not supported yet; drop one of them")
+            if opt.optimizer != "adam":
+                raise UsageError("--zenflow supports --optimizer adam only")
         model = self.model
         if model.recompute_granularity == "selective" and model.attention_backend == "sdpa" \
                 and model.transformer_impl == "local":

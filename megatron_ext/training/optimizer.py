@@ -2,8 +2,10 @@
 
 :func:`build_optimizer` returns a megatron-core ``MegatronOptimizer``. Today that is
 megatron-core's DistributedOptimizer (or its non-distributed mixed-precision optimizer),
-or megatron-core's own host offload (``--optimizer-cpu-offload``, GPU only). The offload
-engine and ZenFlow enter here as other optimizers; the loop never names them.
+or megatron-core's own host offload (``--optimizer-cpu-offload``, GPU only), or the
+offload engine's optimizer (``--offload-optimizer``), or ZenFlow's (``--zenflow``): both
+DistributedOptimizer subclasses bound into megatron-core's factory. The loop never names
+them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def build_optimizer(cfg, model_chunks, runtime):
 
         with offloaded_distributed_optimizer(cfg.offload, runtime.rank):
             return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
+    if cfg.zenflow.zenflow:
+        from megatron_ext.zenflow.optimizer import zenflow_optimizer
+
+        with zenflow_optimizer(cfg.zenflow, runtime.rank):
+            return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
 
 
@@ -108,15 +115,15 @@ def inner_torch_optimizers(optimizer):
 def save_external_state(optimizer, checkpoint_dir: str) -> None:
     """Lets optimizers that keep state outside dist_checkpointing write it (offload files)."""
     for opt in _chain(optimizer):
-        if hasattr(opt, "save_offloaded_state"):
-            opt.save_offloaded_state(checkpoint_dir)
+        if hasattr(opt, "save_external_state"):
+            opt.save_external_state(checkpoint_dir)
 
 
 def load_external_state(optimizer, checkpoint_dir: str) -> None:
     """Restores what :func:`save_external_state` wrote."""
     for opt in _chain(optimizer):
-        if hasattr(opt, "load_offloaded_state"):
-            opt.load_offloaded_state(checkpoint_dir)
+        if hasattr(opt, "load_external_state"):
+            opt.load_external_state(checkpoint_dir)
 
 
 def optimizer_metrics(optimizer) -> dict:

@@ -1,0 +1,202 @@
+"""ZenFlow's CPU side: the delayed columns' fp32 states, accumulators and Adam.
+
+Two single-thread pools keep the order simple: the accumulate thread adds each step's
+gradients (arriving in the training dtype) into the open window's fp32 accumulator, in
+step order; the update thread runs Adam on a closed window once its last accumulation is
+done. Windows alternate between two accumulators, so window ``w + 1`` accumulates while
+window ``w`` is being applied; the optimizer waits for window ``w``'s update before it
+closes window ``w + 1``, so an accumulator is never written while it is read.
+
+torch's CPU kernels release the GIL, so both threads run beside the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.optim.adam import adam
+
+JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
+"""Test hook: a maximum delay in seconds, slept at random before each CPU task."""
+
+
+def adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, step: int, hp: dict) -> None:
+    """One AdamW step in place, torch's implementation (megatron-core's on the CPU).
+
+    The fused kernel on CUDA tensors (as the model's device optimizer would), torch's
+    reference implementation on CPU tensors: bit for bit what torch.optim.AdamW gives.
+    """
+    if master.numel() == 0:
+        return
+    beta1, beta2 = hp["betas"]
+    adam([master], [grad], [exp_avg], [exp_avg_sq], [],
+         [torch.tensor(float(step - 1))], foreach=False,
+         fused=True if master.is_cuda else None, capturable=False, differentiable=False,
+         has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
+         weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
+         decoupled_weight_decay=True)
+
+
+def unscale_clip(grad: torch.Tensor, inv_scale, clip_coeff) -> torch.Tensor:
+    """megatron-core's two multiplications on fp32 grads (unscale, then clip)."""
+    if inv_scale is not None:
+        grad.mul_(inv_scale.to(grad.device) if torch.is_tensor(inv_scale) else inv_scale)
+    if clip_coeff is not None:
+        grad.mul_(clip_coeff)
+    return grad
+
+
+class CpuSide:
+    """fp32 master, Adam moments and two accumulators per param group, on the host."""
+
+    def __init__(self, sizes: Dict[int, int], model_dtype: torch.dtype, pin: bool):
+        self.model_dtype = model_dtype
+        self.pin = pin
+        self.master: Dict[int, torch.Tensor] = {}
+        self.exp_avg: Dict[int, torch.Tensor] = {}
+        self.exp_avg_sq: Dict[int, torch.Tensor] = {}
+        self.acc: List[Dict[int, torch.Tensor]] = [{}, {}]
+        self.acc_steps = [0, 0]
+        self.upload: Dict[int, torch.Tensor] = {}
+        """The last update's new weights in the model's dtype, waiting to enter the model."""
+        self.steps = 0
+        """Adam steps taken by the CPU side (its bias correction counts these)."""
+        self.resize(sizes)
+        self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc")
+        self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-adam")
+        self._last_acc: Optional[Future] = None
+        self._update: Optional[Future] = None
+        self.jitter = float(os.environ.get(JITTER_ENV, "0") or 0)
+        self._random = random.Random(1234)
+        self.lock = threading.Lock()
+        self.busy = {"accumulate": 0.0, "update": 0.0}
+        self.trace: Optional[List[tuple]] = None
+        """Test hook: when a list, each update appends (window, [per-group mean grads])."""
+
+    def _empty(self, n: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, pin_memory=self.pin)
+
+    def resize(self, sizes: Dict[int, int]) -> None:
+        """Fresh (zero) buffers for the given per-group sizes."""
+        self.sizes = dict(sizes)
+        for store in (self.master, self.exp_avg, self.exp_avg_sq, *self.acc):
+            store.clear()
+            store.update({g: self._empty(n) for g, n in sizes.items()})
+        self.upload = {g: self._empty(n, self.model_dtype) for g, n in sizes.items()}
+        self.acc_steps = [0, 0]
+
+    def replace_states(self, sizes: Dict[int, int], states: Dict[str, Dict[int, torch.Tensor]]
+                       ) -> None:
+        """New master and moments (re-selection); fresh accumulators of the new sizes.
+
+        Only between windows: every accumulator has been consumed.
+        """
+        self.sizes = dict(sizes)
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            store = getattr(self, kind)
+            store.clear()
+            store.update(states[kind])
+        for store in self.acc:
+            store.clear()
+            store.update({g: self._empty(n) for g, n in sizes.items()})
+        self.upload = {g: self._empty(n, self.model_dtype) for g, n in sizes.items()}
+        self.acc_steps = [0, 0]
+
+    # ------------------------------------------------------------ tasks
+
+    def _sleep(self) -> None:
+        if self.jitter:
+            with self.lock:
+                delay = self._random.uniform(0, self.jitter)
+            time.sleep(delay)
+
+    def _timed(self, key: str, fn: Callable) -> Callable:
+        def run():
+            self._sleep()
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                with self.lock:
+                    self.busy[key] += time.perf_counter() - start
+        return run
+
+    def accumulate(self, buffer: int, grads: Dict[int, torch.Tensor], inv_scale, clip_coeff,
+                   ready: Optional[Callable[[], None]] = None,
+                   done: Optional[Callable[[], None]] = None) -> Future:
+        """Adds one step's grads (training dtype, host) into accumulator ``buffer``.
+
+        ``ready`` is waited for first (the D2H copy); ``done`` is called after (the
+        staging buffer is free again).
+        """
+        def task():
+            if ready is not None:
+                ready()
+            for group, grad in grads.items():
+                fp32 = unscale_clip(grad.float(), inv_scale, clip_coeff)
+                self.acc[buffer][group].add_(fp32)
+            self.acc_steps[buffer] += 1
+            if done is not None:
+                done()
+        self._last_acc = self._acc_pool.submit(self._timed("accumulate", task))
+        return self._last_acc
+
+    def submit_update(self, buffer: int, window: int, hparams: List[dict]) -> Future:
+        """Starts Adam on the window in ``buffer`` (after its last accumulation)."""
+        last = self._last_acc
+        hp = [dict(h) for h in hparams]
+
+        def task():
+            if last is not None:
+                last.result()
+            self._apply_adam(buffer, window, hp)
+        self._update = self._update_pool.submit(self._timed("update", task))
+        return self._update
+
+    def _apply_adam(self, buffer: int, window: int, hparams: List[dict]) -> None:
+        steps = self.acc_steps[buffer]
+        self.steps += 1
+        means = {}
+        for group in self.sizes:
+            grad = self.acc[buffer][group]
+            if steps > 1:
+                grad.div_(steps)
+            means[group] = grad
+            adam_update(self.master[group], grad, self.exp_avg[group], self.exp_avg_sq[group],
+                        self.steps, hparams[group])
+            self.upload[group].copy_(self.master[group])
+        if self.trace is not None:
+            self.trace.append((window, {g: t.clone() for g, t in means.items()}))
+        for grad in self.acc[buffer].values():
+            grad.zero_()
+        self.acc_steps[buffer] = 0
+
+    def wait_accumulate(self) -> None:
+        """Until every submitted accumulation is done."""
+        if self._last_acc is not None:
+            self._last_acc.result()
+
+    def wait_update(self) -> bool:
+        """Until the submitted update is done; False when there was none."""
+        if self._update is None:
+            return False
+        self._update.result()
+        self._update = None
+        return True
+
+    @property
+    def update_pending(self) -> bool:
+        """An update was submitted and not yet waited for."""
+        return self._update is not None
+
+    def close(self) -> None:
+        """Finishes the submitted tasks and stops the threads."""
+        for pool in (self._acc_pool, self._update_pool):
+            pool.shutdown(wait=True)

@@ -1,0 +1,476 @@
+"""ZenFlow selective updates: the engine, and the megatron-core optimizer that drives it.
+
+Each step (see ``schedule`` for when steps are synchronous, windows close and columns are
+re-selected):
+
+1. GPU side: the gradients of every parameter that is not a matrix and of the selected
+   columns of each matrix are gathered (compacted per param group), unscaled and clipped
+   like megatron-core's, and Adam updates their fp32 masters and moments, which live on
+   the model's device; the new weights are scattered into the model.
+2. CPU side: the delayed columns' gradients are gathered in the training dtype, copied to
+   pinned host memory on a side stream and added, in fp32, into the open window's
+   accumulator by the CPU worker's accumulate thread.
+3. At the last step of a window: wait for the previous window's CPU update, copy its new
+   weights into the model, and start the CPU update of this window (Adam with the mean of
+   the window's gradients) on the worker's update thread; the GPU trains on.
+   Synchronous (warm-up) steps run the CPU update inside the step instead.
+4. Re-selection (at a synchronous step or a window end): the pending CPU update is
+   finished and applied first, then the states of the columns that change sides move
+   between the GPU and host memory; no moment is lost or duplicated.
+
+Adam's bias correction counts each side's own steps (the GPU side steps every
+iteration, the CPU side once per window); a column that changes sides continues with
+its moments under the other side's count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_ext.errors import UsageError
+from megatron_ext.training.sharded_optimizer import (
+    ShardedStateOptimizer,
+    bound_distributed_optimizer,
+)
+from megatron_ext.zenflow.config import ZenFlowConfig
+from megatron_ext.zenflow.cpu_worker import CpuSide, adam_update, unscale_clip
+from megatron_ext.zenflow.schedule import WindowSchedule
+from megatron_ext.zenflow.selection import (
+    Plan,
+    build_plans,
+    column_energy,
+    global_importance,
+    local_mask,
+    matrices_of,
+    top_columns,
+)
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+FORMAT = 1
+
+
+class ZenFlowEngine:
+    """ZenFlow's state and step over a rank's optimizer shard (megatron-independent)."""
+
+    def __init__(self, cfg: ZenFlowConfig, shards: Sequence, *, device: torch.device,
+                 model_dtype: torch.dtype, grad_dtype: torch.dtype, dp_group=None,
+                 tp_group=None, stats_group=None, tp_rank: int = 0, tp_size: int = 1):
+        self.cfg = cfg
+        self.shards = list(shards)
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.model_dtype, self.grad_dtype = model_dtype, grad_dtype
+        self.dp_group, self.tp_group, self.stats_group = dp_group, tp_group, stats_group
+        self.matrices = matrices_of(self.shards, tp_rank, tp_size)
+        self.schedule = WindowSchedule(cfg)
+        self.gpu_plan: Optional[Plan] = None
+        self.cpu_plan: Optional[Plan] = None
+        self.gpu: Dict[str, Dict[int, torch.Tensor]] = {k: {} for k in KINDS}
+        self.gpu_steps = 0
+        self.cpu = CpuSide({}, model_dtype, pin=False)
+        self.selected: Dict[int, torch.Tensor] = {}
+        """Matrix shard index -> whole-matrix selected columns (CPU, ascending)."""
+        self.upload_pending = False
+        """A finished or running CPU update whose weights have not entered the model yet."""
+        self.selected_ratio = 0.0
+        self.retention = float("nan")
+        self._stage: List[Dict[int, torch.Tensor]] = [{}, {}]
+        self._stage_free: List[Optional[object]] = [None, None]
+        self._slot = 0
+        if self.is_cuda:
+            self._d2h = torch.cuda.Stream(device)
+        self._reset_stats()
+
+    # ------------------------------------------------------------ helpers
+
+    def _grad(self, index: int) -> torch.Tensor:
+        return self.shards[index].grad().reshape(-1)
+
+    def _weights(self, index: int) -> torch.Tensor:
+        return self.shards[index].weights().reshape(-1)
+
+    def _reset_stats(self) -> None:
+        self._stats = {"steps": 0, "rho": 0.0, "stall_s": 0.0, "gpu_update_s": 0.0,
+                       "d2h_bytes": 0.0, "h2d_bytes": 0.0}
+        if hasattr(self, "cpu"):
+            with self.cpu.lock:
+                self.cpu.busy = {k: 0.0 for k in self.cpu.busy}
+
+    def _wait(self, fn) -> None:
+        start = time.perf_counter()
+        fn()
+        self._stats["stall_s"] += time.perf_counter() - start
+
+    @property
+    def initialized(self) -> bool:
+        """States exist (after the first step or a load)."""
+        return self.gpu_plan is not None
+
+    # ------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, hparams: List[dict], inv_scale, clip_coeff) -> None:
+        """One optimizer step with the gradients in the shards' grad buffers."""
+        plan = self.schedule.next_step()
+        if not self.initialized:
+            self._select(first=True)
+        start = time.perf_counter()
+        self.gpu_steps += 1
+        for group, n in self.gpu_plan.sizes.items():
+            grad = self.gpu_plan.gather(group, self._grad,
+                                        torch.empty(n, dtype=self.grad_dtype, device=self.device))
+            grad = unscale_clip(grad.float(), inv_scale, clip_coeff)
+            adam_update(self.gpu["master"][group], grad, self.gpu["exp_avg"][group],
+                        self.gpu["exp_avg_sq"][group], self.gpu_steps, hparams[group])
+            self.gpu_plan.scatter(group, self.gpu["master"][group], self._weights)
+        self._stats["gpu_update_s"] += time.perf_counter() - start
+        rho = self._send_delayed_grads(inv_scale, clip_coeff)
+        buffer = self.schedule.buffer
+        if plan.sync:
+            self._flush_pending()
+            self.cpu.submit_update(buffer, -plan.step, hparams)
+            self.upload_pending = True
+            self._flush_pending()
+        elif plan.closes_window:
+            self._flush_pending()
+            self.cpu.submit_update(buffer, self.schedule.windows_closed, hparams)
+            self.upload_pending = True
+            if plan.select:
+                self._flush_pending()
+        self.schedule.end_step(plan, rho)
+        if plan.select and plan.step > 1:
+            self._select(first=False)
+        self._stats["steps"] += 1
+        self._stats["rho"] += rho
+
+    def _send_delayed_grads(self, inv_scale, clip_coeff) -> float:
+        """Gathers the delayed columns' grads, queues their accumulation; returns rho."""
+        delayed_energy = torch.zeros((), dtype=torch.float64, device=self.device)
+        total_energy = torch.zeros((), dtype=torch.float64, device=self.device)
+        for shard in self.shards:
+            if shard.counts_in_norm and shard.numel:
+                total_energy += shard.grad().float().square().sum(dtype=torch.float64)
+        counted = {m.shard for m in self.matrices if m.counts}
+        slot = self._slot
+        self._slot ^= 1
+        if self._stage_free[slot] is not None:  # the accumulation that used this slot
+            self._wait(self._stage_free[slot].result)
+        grads = {}
+        for group, n in self.cpu_plan.sizes.items():
+            compact = self.cpu_plan.gather(group, self._grad, torch.empty(
+                n, dtype=self.grad_dtype, device=self.device))
+            for piece in self.cpu_plan.pieces[group]:
+                if piece.shard in counted:
+                    delayed_energy += compact[piece.offset:piece.offset + piece.length].float(
+                    ).square().sum(dtype=torch.float64)
+            grads[group] = compact
+        ready = None
+        if self.is_cuda and grads:
+            grads, ready = self._to_host(slot, grads)
+        self._stats["d2h_bytes"] += sum(g.numel() * g.element_size() for g in grads.values())
+        self._stage_free[slot] = self.cpu.accumulate(self.schedule.buffer, grads, inv_scale,
+                                                     clip_coeff, ready=ready)
+        energies = torch.stack([delayed_energy, total_energy])
+        if self.stats_group is not None and torch.distributed.get_world_size(self.stats_group) > 1:
+            torch.distributed.all_reduce(energies, group=self.stats_group)
+        delayed, total = energies.tolist()
+        return delayed / total if total > 0 else 0.0
+
+    def _to_host(self, slot: int, grads: Dict[int, torch.Tensor]):
+        """Copies the compact grads into pinned staging on the D2H stream."""
+        from megatron_ext.offload.io import aligned_empty
+
+        stage = self._stage[slot]
+        out = {}
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h):
+            for group, grad in grads.items():
+                buf = stage.get(group)
+                if buf is None or buf.numel() < grad.numel():
+                    # 1% headroom: re-selection changes the sizes a little.
+                    n = int(grad.numel() * 1.01) + 1
+                    buf = stage[group] = aligned_empty(n * grad.element_size(), grad.dtype,
+                                                       pin=True)
+                dst = buf[:grad.numel()]
+                dst.copy_(grad, non_blocking=True)
+                grad.record_stream(self._d2h)
+                out[group] = dst
+            event = torch.cuda.Event()
+            event.record(self._d2h)
+        return out, event.synchronize
+
+    def _flush_pending(self) -> None:
+        """Waits for the CPU update in flight and copies its weights into the model."""
+        if not self.upload_pending:
+            return
+        self._wait(self.cpu.wait_update)
+        for group in self.cpu_plan.sizes:
+            values = self.cpu.upload[group]
+            if self.is_cuda:
+                values = values.to(self.device, non_blocking=False)
+            self.cpu_plan.scatter(group, values, self._weights)
+            self._stats["h2d_bytes"] += values.numel() * values.element_size()
+        self.upload_pending = False
+
+    # ------------------------------------------------------------ selection
+
+    def _select(self, first: bool) -> None:
+        """Selects the columns from the current grads; builds or moves the states."""
+        local = [column_energy(self._grad(m.shard), m) for m in self.matrices]
+        full = global_importance(local, self.matrices, self.dp_group, self.tp_group)
+        selected = {m.shard: top_columns(v, self.cfg.zenflow_topk_ratio).cpu()
+                    for m, v in zip(self.matrices, full)}
+        if self.selected:
+            kept = sum(int(torch.isin(selected[i], old).sum()) for i, old in self.selected.items())
+            self.retention = kept / max(1, sum(v.numel() for v in selected.values()))
+        chosen = sum(v.numel() for v in selected.values())
+        self.selected_ratio = chosen / max(1, sum(m.full_cols for m in self.matrices))
+        old_plans = (self.gpu_plan, self.cpu_plan)
+        self._set_selection(selected)
+        if first:
+            self._build_states()
+        else:
+            self._move_states(*old_plans)
+
+    def _set_selection(self, selected: Dict[int, torch.Tensor]) -> None:
+        self.selected = selected
+        masks = {m.shard: local_mask(selected[m.shard], m) for m in self.matrices}
+        self.gpu_plan, self.cpu_plan = build_plans(self.shards, self.matrices, masks, self.device)
+
+    def _build_states(self) -> None:
+        """fp32 masters from the model weights, zero moments (megatron-core's start)."""
+        for group, n in self.gpu_plan.sizes.items():
+            master = self.gpu_plan.gather(group, self._weights, torch.empty(
+                n, dtype=torch.float32, device=self.device))
+            self.gpu["master"][group] = master
+            self.gpu["exp_avg"][group] = torch.zeros_like(master)
+            self.gpu["exp_avg_sq"][group] = torch.zeros_like(master)
+        self.cpu.resize(self.cpu_plan.sizes)
+        self._masters_to_cpu()
+
+    def _masters_to_cpu(self) -> None:
+        for group, n in self.cpu_plan.sizes.items():
+            weights = self.cpu_plan.gather(group, self._weights, torch.empty(
+                n, dtype=self.model_dtype, device=self.device))
+            self.cpu.master[group].copy_(weights)
+
+    def _move_states(self, old_gpu: Plan, old_cpu: Plan) -> None:
+        """Moves every state element to its side under the new plans, one kind at a time."""
+        groups = sorted({s.group for s in self.shards})
+        new_cpu_sizes = dict(self.cpu_plan.sizes)
+        cpu_new: Dict[str, Dict[int, torch.Tensor]] = {}
+        for kind in KINDS:
+            cpu_old = getattr(self.cpu, kind)
+            gpu_new, cpu_new[kind] = {}, {}
+            for group in groups:
+                full = {i: torch.empty(s.numel, dtype=torch.float32)
+                        for i, s in enumerate(self.shards) if s.group == group}
+                if group in self.gpu[kind]:
+                    old_gpu.scatter(group, self.gpu[kind][group].cpu(), full.__getitem__)
+                if group in cpu_old:
+                    old_cpu.scatter(group, cpu_old[group], full.__getitem__)
+                if group in self.gpu_plan.sizes:
+                    gpu_new[group] = self.gpu_plan.gather(group, full.__getitem__, torch.empty(
+                        self.gpu_plan.sizes[group], dtype=torch.float32)).to(self.device)
+                if group in new_cpu_sizes:
+                    cpu_new[kind][group] = self.cpu_plan.gather(group, full.__getitem__,
+                                                                torch.empty(new_cpu_sizes[group]))
+                del full
+            self.gpu[kind] = gpu_new
+            cpu_old.clear()
+        self.cpu.replace_states(new_cpu_sizes, cpu_new)
+
+    # ------------------------------------------------------------ model and checkpoints
+
+    def reload_masters(self) -> None:
+        """fp32 masters from the model weights (moments kept); before the first step: none."""
+        if not self.initialized:
+            return
+        for group, n in self.gpu_plan.sizes.items():
+            self.gpu_plan.gather(group, self._weights, self.gpu["master"][group])
+        self._masters_to_cpu()
+
+    def write_all_params(self) -> None:
+        """Every fp32 master into the model."""
+        if not self.initialized:
+            return
+        for group in self.gpu_plan.sizes:
+            self.gpu_plan.scatter(group, self.gpu["master"][group], self._weights)
+        for group in self.cpu_plan.sizes:
+            values = self.cpu.master[group].to(self.device)
+            self.cpu_plan.scatter(group, values, self._weights)
+
+    def state_dict(self) -> dict:
+        """Everything per element, on the host (waits for the CPU worker, applies nothing)."""
+        self.cpu.wait_accumulate()
+        self.cpu.wait_update()
+        state = {"format": FORMAT, "schedule": self.schedule.state_dict(),
+                 "initialized": self.initialized}
+        if not self.initialized:
+            return state
+        state.update({
+            "selected": self.selected,
+            "gpu_steps": self.gpu_steps,
+            "cpu_steps": self.cpu.steps,
+            "gpu": {k: {g: t.cpu() for g, t in v.items()} for k, v in self.gpu.items()},
+            "cpu": {k: dict(getattr(self.cpu, k)) for k in KINDS},
+            "acc": [dict(a) for a in self.cpu.acc],
+            "acc_steps": list(self.cpu.acc_steps),
+            "upload_pending": self.upload_pending,
+            "selected_ratio": self.selected_ratio,
+            "retention": self.retention,
+        })
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict` (same layout)."""
+        self.schedule.load_state_dict(state["schedule"])
+        if not state["initialized"]:
+            return
+        self._set_selection(state["selected"])
+        self.gpu_steps = state["gpu_steps"]
+        self.gpu = {k: {g: t.to(self.device) for g, t in v.items()}
+                    for k, v in state["gpu"].items()}
+        self.cpu.resize(self.cpu_plan.sizes)
+        self.cpu.steps = state["cpu_steps"]
+        for kind in KINDS:
+            for group, tensor in state["cpu"][kind].items():
+                getattr(self.cpu, kind)[group].copy_(tensor)
+        for mine, saved in zip(self.cpu.acc, state["acc"]):
+            for group, tensor in saved.items():
+                mine[group].copy_(tensor)
+        self.cpu.acc_steps = list(state["acc_steps"])
+        self.upload_pending = state["upload_pending"]
+        if self.upload_pending:
+            for group, master in self.cpu.master.items():
+                self.cpu.upload[group].copy_(master)
+        self.selected_ratio = state["selected_ratio"]
+        self.retention = state["retention"]
+
+    # ------------------------------------------------------------ metrics
+
+    def device_state_bytes(self) -> int:
+        """fp32 states held on the model's device (selected columns, 1-D parameters)."""
+        return sum(t.numel() * t.element_size() for v in self.gpu.values() for t in v.values())
+
+    def host_state_bytes(self) -> int:
+        """fp32 states and accumulators in host memory."""
+        stores = [self.cpu.master, self.cpu.exp_avg, self.cpu.exp_avg_sq, *self.cpu.acc]
+        return sum(t.numel() * t.element_size() for s in stores for t in s.values())
+
+    def metrics(self) -> Dict[str, float]:
+        """``zenflow/*`` per-step means since the last call."""
+        steps = max(1, self._stats["steps"])
+        with self.cpu.lock:
+            busy = dict(self.cpu.busy)
+        record = {
+            "zenflow/selected_ratio": self.selected_ratio,
+            "zenflow/rho": self._stats["rho"] / steps,
+            "zenflow/retention": self.retention,
+            "zenflow/update_interval": float(self.schedule.window_length),
+            "zenflow/stall_s": self._stats["stall_s"] / steps,
+            "zenflow/gpu_update_s": self._stats["gpu_update_s"] / steps,
+            "zenflow/cpu_update_bg_s": busy["update"] / steps,
+            "zenflow/cpu_accumulate_bg_s": busy["accumulate"] / steps,
+            "zenflow/d2h_bytes": self._stats["d2h_bytes"] / steps,
+            "zenflow/h2d_bytes": self._stats["h2d_bytes"] / steps,
+            "zenflow/device_state_gib": self.device_state_bytes() / 2**30,
+            "zenflow/host_state_gib": self.host_state_bytes() / 2**30,
+        }
+        self._reset_stats()
+        return record
+
+    def close(self) -> None:
+        """Stops the CPU worker's threads."""
+        self.cpu.close()
+
+
+class ZenFlowOptimizer(ShardedStateOptimizer):
+    """megatron-core's DistributedOptimizer running ZenFlow's selective updates."""
+
+    state_prefix = "zenflow"
+
+    def __init__(self, *args, zenflow_config: ZenFlowConfig, rank: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        from megatron.core import parallel_state
+
+        self.rank = rank
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.engine = ZenFlowEngine(
+            zenflow_config, self.shards, device=self.device, model_dtype=self.model_dtype,
+            grad_dtype=self.grad_dtype, dp_group=self.data_parallel_group,
+            tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
+            stats_group=self.get_grad_stats_parallel_group(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp_size)
+
+    def _update(self) -> None:
+        self.engine.step(self.optimizer.param_groups, self._inv_scale, self._clip_coeff)
+
+    def reload_masters(self) -> None:
+        """The engine's masters from the model weights (after a model-only load)."""
+        self.engine.reload_masters()
+
+    def _copy_main_params_to_model_params(self):
+        self.engine.write_all_params()
+
+    def common_state(self) -> dict:
+        """The step count (checked against the per-rank file on load)."""
+        return {"zenflow_step": self.engine.schedule.step}
+
+    def load_common_state(self, state: dict) -> None:
+        """Keeps the saved step for the check in :meth:`load_external_state`."""
+        self._loaded_step = state.get("zenflow_step")
+
+    def _file(self, checkpoint_dir: str) -> str:
+        return os.path.join(checkpoint_dir, "zenflow", f"rank{self.rank:05d}.pt")
+
+    def save_external_state(self, checkpoint_dir: str) -> None:
+        """Writes the rank's ZenFlow state (both sides, accumulators, schedule) to one file."""
+        path = self._file(checkpoint_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        state = self.engine.state_dict()
+        state["layout"] = self.layout()
+        tmp = path + ".tmp"
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load_external_state(self, checkpoint_dir: str) -> None:
+        """Restores :meth:`save_external_state`'s file; refuses another layout."""
+        path = self._file(checkpoint_dir)
+        if not os.path.isfile(path):
+            raise UsageError(f"{checkpoint_dir}: no ZenFlow state for rank {self.rank} ({path}); "
+                             "it was not saved with --zenflow: load it with --finetune or "
+                             "--no-load-optim")
+        try:
+            state = torch.load(path, weights_only=False, map_location="cpu")
+        except Exception as err:  # noqa: BLE001 (a damaged file: say which)
+            raise UsageError(f"{path}: unreadable ZenFlow state ({type(err).__name__}: {err})") \
+                from None
+        if state.get("format") != FORMAT or state.get("layout") != self.layout():
+            raise UsageError(f"{path}: saved with another parallel layout "
+                             f"({state.get('layout')}, this run {self.layout()}); resume with "
+                             "the same DP/TP/PP sizes, or use --finetune")
+        loaded = getattr(self, "_loaded_step", None)
+        if loaded is not None and loaded != state["schedule"]["step"]:
+            raise UsageError(f"{path}: ZenFlow state of step {state['schedule']['step']} but "
+                             f"the checkpoint's optimizer of step {loaded}: inconsistent")
+        self.engine.load_state_dict(state)
+
+    def metrics(self) -> Dict[str, float]:
+        """The engine's ``zenflow/*`` metrics since the last call."""
+        return self.engine.metrics()
+
+    def close(self) -> None:
+        """Stops the CPU worker."""
+        self.engine.close()
+
+
+def zenflow_optimizer(cfg: ZenFlowConfig, rank: int):
+    """Within the block, megatron-core's optimizer factory builds the ZenFlow optimizer."""
+    return bound_distributed_optimizer(ZenFlowOptimizer, zenflow_config=cfg, rank=rank)

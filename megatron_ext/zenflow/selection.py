@@ -1,0 +1,249 @@
+"""Column importance, top-k selection, and the gather/scatter plan of the two sides.
+
+A 2-D weight ``W[rows, cols]`` (megatron-core's layout: output rows, input columns) is
+flattened and cut by the distributed optimizer into contiguous ranges, one per DP rank,
+so a rank owns some whole rows and up to two partial ones, and every column spans ranks.
+The importance of column ``j`` is the sum of ``grad[:, j]**2`` over the whole matrix: each
+rank sums over the rows it owns, then one all-reduce over the DP group (of all matrices'
+vectors at once) completes it. With tensor parallelism a column-parallel weight
+(``partition_dim`` 0) holds every column on each TP rank (the vectors are summed over
+TP too); a row-parallel one (``partition_dim`` 1) holds a slice of the columns (the
+vectors are gathered over TP and the top-k taken over the whole matrix).
+
+Within the rank's shard a matrix is a few **segments**, each a contiguous block of
+``rows x (col_hi - col_lo)`` elements; selected and delayed columns of each segment are
+gathered with one ``index_select`` and scattered back with one ``index_copy_``. Each side
+keeps its states compacted, per param group, in the order of :class:`Plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class Segment:
+    """A block of whole-width rows of one matrix, contiguous in the rank's shard."""
+
+    offset: int
+    """Position of the block's first element in the parameter's shard."""
+    rows: int
+    col_lo: int
+    col_hi: int
+
+    @property
+    def width(self) -> int:
+        """Columns of the block."""
+        return self.col_hi - self.col_lo
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The block as ``[rows, width]`` inside the shard's flat tensor."""
+        return flat[self.offset:self.offset + self.rows * self.width].view(self.rows, self.width)
+
+
+def segments(start: int, end: int, cols: int) -> List[Segment]:
+    """Blocks of the flattened range ``[start, end)`` of a matrix with ``cols`` columns."""
+    out: List[Segment] = []
+    pos = start
+    while pos < end:
+        col = pos % cols
+        if col or end - pos < cols:  # a partial row
+            hi = min(cols, col + end - pos)
+            out.append(Segment(pos - start, 1, col, hi))
+            pos += hi - col
+        else:  # whole rows
+            rows = (end - pos) // cols
+            out.append(Segment(pos - start, rows, 0, cols))
+            pos += rows * cols
+    return out
+
+
+@dataclasses.dataclass
+class Matrix:
+    """One 2-D weight's part of the rank's shard."""
+
+    shard: int
+    """Index of the parameter in the optimizer's shard list."""
+    cols: int
+    """Columns of the local (tensor-parallel) weight."""
+    segments: List[Segment]
+    tp_mode: str
+    """How the importance vector combines over TP: sum (column-parallel), gather
+    (row-parallel: each TP rank holds a slice of the columns) or none (not TP-split)."""
+    col_offset: int
+    """Index of the first local column in the whole matrix (gather mode)."""
+    full_cols: int
+    counts: bool
+    """Counted in rho (False for TP duplicates, like megatron-core's grad norm)."""
+
+
+def matrices_of(shards: Sequence, tp_rank: int = 0, tp_size: int = 1) -> List[Matrix]:
+    """The 2-D weights among ``shards`` (see sharded_optimizer.Shard)."""
+    out = []
+    for index, shard in enumerate(shards):
+        param = shard.model_param
+        if param.dim() != 2 or shard.numel == 0:
+            continue
+        cols = param.shape[1]
+        split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
+        dim = getattr(param, "partition_dim", -1)
+        mode = ("gather" if split and dim == 1 else "sum" if split and dim == 0 else "none")
+        out.append(Matrix(shard=index, cols=cols, segments=segments(shard.start, shard.end, cols),
+                          tp_mode=mode, col_offset=tp_rank * cols if mode == "gather" else 0,
+                          full_cols=cols * tp_size if mode == "gather" else cols,
+                          counts=shard.counts_in_norm))
+    return out
+
+
+def column_energy(grad: torch.Tensor, matrix: Matrix) -> torch.Tensor:
+    """Sum of squared gradient entries per local column over the rows this rank owns (fp64)."""
+    energy = torch.zeros(matrix.cols, dtype=torch.float64, device=grad.device)
+    for seg in matrix.segments:
+        block = seg.view(grad).float()
+        energy[seg.col_lo:seg.col_hi] += block.square().sum(0, dtype=torch.float64)
+    return energy
+
+
+def global_importance(local: List[torch.Tensor], matrices: List[Matrix], dp_group=None,
+                      tp_group=None) -> List[torch.Tensor]:
+    """Whole-matrix column importance from each rank's local vectors.
+
+    One all-reduce over the DP group for all matrices; over TP, one all-reduce of the
+    column-parallel vectors and one all-gather of the row-parallel ones.
+    """
+    dist = torch.distributed
+    if not local:
+        return []
+    sizes = [v.numel() for v in local]
+    flat = torch.cat(local)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(flat, group=dp_group)
+    vectors = list(flat.split(sizes))
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if tp_size > 1:
+        summed = [i for i, m in enumerate(matrices) if m.tp_mode == "sum"]
+        if summed:
+            part = torch.cat([vectors[i] for i in summed])
+            dist.all_reduce(part, group=tp_group)
+            for i, v in zip(summed, part.split([sizes[i] for i in summed])):
+                vectors[i] = v
+        gathered = [i for i, m in enumerate(matrices) if m.tp_mode == "gather"]
+        if gathered:
+            part = torch.cat([vectors[i] for i in gathered])
+            pieces = [torch.empty_like(part) for _ in range(tp_size)]
+            dist.all_gather(pieces, part, group=tp_group)
+            split = [p.split([sizes[i] for i in gathered]) for p in pieces]
+            for j, i in enumerate(gathered):
+                vectors[i] = torch.cat([s[j] for s in split])
+    return vectors
+
+
+def top_columns(importance: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Indices (ascending) of the ``round(ratio * n)`` (at least 1) most important columns.
+
+    Ties go to the lower index (a stable sort), so every rank and layout agrees.
+    """
+    n = importance.numel()
+    k = max(1, min(n, math.floor(ratio * n + 0.5)))
+    order = torch.sort(importance, descending=True, stable=True).indices[:k]
+    return torch.sort(order).values
+
+
+def local_mask(selected: torch.Tensor, matrix: Matrix) -> torch.Tensor:
+    """Boolean mask over the local columns from whole-matrix selected indices."""
+    mask = torch.zeros(matrix.full_cols, dtype=torch.bool, device=selected.device)
+    mask[selected] = True
+    return mask[matrix.col_offset:matrix.col_offset + matrix.cols]
+
+
+# ---------------------------------------------------------------- plans
+
+
+@dataclasses.dataclass
+class Piece:
+    """One run of a side's compact buffer.
+
+    A whole shard of a parameter that is not a matrix, or the chosen columns of one
+    segment of a matrix.
+    """
+
+    shard: int
+    offset: int
+    """Position in the side's compact buffer of its param group."""
+    length: int
+    segment: Optional[Segment] = None
+    index: Optional[torch.Tensor] = None
+    """Columns of the segment (relative to its col_lo), on the model's device."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where each element of a side's compact per-group buffers lives in the model."""
+
+    pieces: Dict[int, List[Piece]]
+    """Param group -> pieces in buffer order."""
+    sizes: Dict[int, int]
+    """Param group -> elements."""
+
+    def gather(self, group: int, flat_of, out: torch.Tensor) -> torch.Tensor:
+        """Fills ``out`` (the group's compact buffer) from ``flat_of(shard)`` tensors."""
+        for piece in self.pieces.get(group, ()):
+            dst = out[piece.offset:piece.offset + piece.length]
+            src = flat_of(piece.shard)
+            if piece.segment is None:
+                dst.copy_(src)
+            elif piece.length:
+                block = piece.segment.view(src)
+                dst.view(piece.segment.rows, -1).copy_(block.index_select(1, piece.index))
+        return out
+
+    def scatter(self, group: int, values: torch.Tensor, flat_of) -> None:
+        """Writes the group's compact ``values`` into ``flat_of(shard)`` tensors (cast)."""
+        for piece in self.pieces.get(group, ()):
+            src = values[piece.offset:piece.offset + piece.length]
+            dst = flat_of(piece.shard)
+            if piece.segment is None:
+                dst.copy_(src)
+            elif piece.length:
+                block = piece.segment.view(dst)
+                block.index_copy_(1, piece.index,
+                                  src.view(piece.segment.rows, -1).to(block.dtype))
+
+    def total(self) -> int:
+        """Elements over all groups."""
+        return sum(self.sizes.values())
+
+
+def build_plans(shards: Sequence, matrices: List[Matrix], masks: Dict[int, torch.Tensor],
+                device) -> tuple:
+    """(gpu plan, cpu plan) for local column ``masks`` (matrix shard index -> bool mask).
+
+    The GPU side gets every parameter that is not a matrix and the selected columns of
+    each matrix; the CPU side the other columns.
+    """
+    by_shard = {m.shard: m for m in matrices}
+    sides = ({"pieces": {}, "sizes": {}}, {"pieces": {}, "sizes": {}})
+    for index, shard in enumerate(shards):
+        matrix = by_shard.get(index)
+        if matrix is None:
+            if shard.numel:
+                _add(sides[0], shard.group, Piece(index, 0, shard.numel))
+            continue
+        mask = masks[index]
+        for seg in matrix.segments:
+            part = mask[seg.col_lo:seg.col_hi]
+            for side, chosen in ((sides[0], part), (sides[1], ~part)):
+                cols = torch.nonzero(chosen).flatten().to(device)
+                if cols.numel():
+                    _add(side, shard.group, Piece(index, 0, seg.rows * cols.numel(), seg, cols))
+    return tuple(Plan(side["pieces"], side["sizes"]) for side in sides)
+
+
+def _add(side: dict, group: int, piece: Piece) -> None:
+    piece.offset = side["sizes"].get(group, 0)
+    side["pieces"].setdefault(group, []).append(piece)
+    side["sizes"][group] = piece.offset + piece.length
