@@ -1,21 +1,29 @@
 """Builds a real text corpus, as jsonl, from text that ships with every Python installation.
 
 Nobody on this project wrote the text, and any machine has it offline, so tests and
-benchmarks run on real-world data without a download. The only kind today is
-``stdlib-python``: the ``.py`` files of the standard library of the Python running this
-tool (``sysconfig.get_paths()["stdlib"]``), one document per file or per chunk of a file.
+benchmarks run on real-world data without a download. Two kinds:
+
+* ``stdlib-python`` (the default): the ``.py`` files of the standard library of the Python
+  running this tool (``sysconfig.get_paths()["stdlib"]``), one document per file or per
+  chunk of a file; ``source`` is the path relative to the library root.
+* ``pydoc-topics``: the English prose of the Python documentation's topics that ``help()``
+  shows (``pydoc_data.topics.topics``, a dict topic name -> text, e.g. ``"assert"``,
+  ``"for"``, ``"typesseq"``), one document per topic or per chunk of a topic; ``source``
+  is the topic name. Another domain than the code of ``stdlib-python`` (prose, not
+  source), e.g. for fine-tuning a model pretrained on the code.
 
 Output, one JSON object per line::
 
     {"text": "<file text or chunk>", "source": "json/decoder.py", "chunk": 0}
 
-``source`` is the path relative to the library root, ``chunk`` the 0-based index of the
-chunk within the file (always 0 without ``--max-chars``). The same Python installation
-and flags give a byte-identical file: paths are sorted before anything else happens.
+``source`` names the file or topic, ``chunk`` the 0-based index of the chunk within it
+(always 0 without ``--max-chars``). The same Python installation and flags give a
+byte-identical file: file paths and topic names are sorted before anything else happens.
 
 Example::
 
     python tools/build_corpus.py --output data/stdlib.jsonl --max-chars 8000
+    python tools/build_corpus.py --kind pydoc-topics --output data/topics.jsonl --max-chars 4000
 """
 
 from __future__ import annotations
@@ -48,14 +56,24 @@ _PROGRESS_EVERY_FILES = 250
 
 
 @dataclass(frozen=True)
-class SourceFiles:
-    """The files of one corpus kind: a root directory and sorted paths relative to it."""
+class SourceTexts:
+    """The texts of one corpus kind: their sorted names and how to read one of them.
 
-    root: str
-    relative_paths: Tuple[str, ...]
+    Attributes:
+        origin: where the texts come from (a directory, a module file), for the log lines.
+        unit: what one name stands for, in the plural ("files", "topics"), for the log lines.
+        names: the ``source`` of each text, sorted.
+        read: gives the raw bytes of the text of a name; the caller decodes them as UTF-8
+            (and skips a text that is not valid UTF-8).
+    """
+
+    origin: str
+    unit: str
+    names: Tuple[str, ...]
+    read: Callable[[str], bytes]
 
 
-def stdlib_python_files() -> SourceFiles:
+def stdlib_python_files() -> SourceTexts:
     """The ``.py`` files of the running Python's standard library, in sorted order."""
     root = sysconfig.get_paths()["stdlib"]
     if not os.path.isdir(root):
@@ -69,12 +87,35 @@ def stdlib_python_files() -> SourceFiles:
             if name.endswith(".py"):
                 path = os.path.relpath(os.path.join(dirpath, name), root)
                 found.append(path.replace(os.sep, "/"))
+
+    def read(rel_path: str) -> bytes:
+        with open(os.path.join(root, rel_path), "rb") as stream:
+            return stream.read()
+
     # Sorted by the relative path, not by os.walk's order, which depends on the file system.
-    return SourceFiles(root=root, relative_paths=tuple(sorted(found)))
+    return SourceTexts(origin=root, unit="files", names=tuple(sorted(found)), read=read)
 
 
-# Each kind maps to a function that lists its files; add a kind by adding an entry.
-KINDS: Dict[str, Callable[[], SourceFiles]] = {
+def pydoc_topics() -> SourceTexts:
+    """The documentation topics of the running Python (``pydoc_data``), sorted by name."""
+    try:
+        from pydoc_data import topics as topics_module
+    except ImportError as err:
+        raise ToolError(f"this Python has no pydoc_data module ({err}); run this tool with "
+                        "a full Python installation") from err
+    topics: Dict[str, str] = topics_module.topics
+
+    def read(name: str) -> bytes:
+        # Encoded so that these texts go through the same decoding and checks as files do.
+        return topics[name].encode("utf-8")
+
+    return SourceTexts(origin=topics_module.__file__, unit="topics",
+                       names=tuple(sorted(topics)), read=read)
+
+
+# Each kind maps to a function that lists its texts; add a kind by adding an entry.
+KINDS: Dict[str, Callable[[], SourceTexts]] = {
+    "pydoc-topics": pydoc_topics,
     "stdlib-python": stdlib_python_files,
 }
 
@@ -116,10 +157,10 @@ def split_text(text: str, max_chars: Optional[int]) -> List[str]:
 
 
 def order_files(paths: Sequence[str], seed: Optional[int]) -> List[str]:
-    """The files in the order the corpus visits them.
+    """The files (or topics) in the order the corpus visits them.
 
     Args:
-        paths: relative paths, already sorted.
+        paths: relative paths (or topic names), already sorted.
         seed: ``None`` keeps the sorted order; an integer shuffles it with that seed, so
             that ``--max-docs`` samples the whole library instead of its first packages.
 
@@ -143,19 +184,18 @@ class CorpusStats:
     bytes_written: int = 0
 
 
-def iter_documents(root: str, paths: Sequence[str], max_chars: Optional[int],
+def iter_documents(texts: SourceTexts, names: Sequence[str], max_chars: Optional[int],
                    stats: CorpusStats) -> Iterator[dict]:
-    """Reads ``paths`` under ``root`` and yields one record per document.
+    """Reads ``names`` of ``texts`` and yields one record per document.
 
-    Files that are not valid UTF-8 (the test suite ships some on purpose) and files with
-    only whitespace (many ``__init__.py``) are skipped and counted in ``stats``.
+    Texts that are not valid UTF-8 (the test suite ships some files on purpose) and texts
+    with only whitespace (many ``__init__.py``) are skipped and counted in ``stats``.
     """
-    for index, rel_path in enumerate(paths):
+    for index, name in enumerate(names):
         if index and index % _PROGRESS_EVERY_FILES == 0:
-            log(f"build_corpus: {index}/{len(paths)} files, {stats.documents} documents, "
-                f"{human_mb(stats.bytes_written)}")
-        with open(os.path.join(root, rel_path), "rb") as stream:
-            raw = stream.read()
+            log(f"build_corpus: {index}/{len(names)} {texts.unit}, {stats.documents} "
+                f"documents, {human_mb(stats.bytes_written)}")
+        raw = texts.read(name)
         stats.files_read += 1
         try:
             # Decoding the bytes ourselves keeps "\r\n" as the file has it (text mode
@@ -168,7 +208,7 @@ def iter_documents(root: str, paths: Sequence[str], max_chars: Optional[int],
             stats.files_skipped_blank += 1
             continue
         for chunk_index, chunk in enumerate(split_text(text, max_chars)):
-            yield {"text": chunk, "source": rel_path, "chunk": chunk_index}
+            yield {"text": chunk, "source": name, "chunk": chunk_index}
 
 
 # json.dumps(ensure_ascii=False) leaves these raw, and str.splitlines() (unlike a file's
@@ -198,17 +238,20 @@ def build_parser() -> ToolArgumentParser:
                              "Written to PATH.jsonl.tmp-PID first, then renamed.")
     parser.add_argument("--kind", choices=sorted(KINDS), default="stdlib-python",
                         help="which text to collect. stdlib-python: the .py files of the "
-                             "standard library of this Python (default: %(default)s)")
+                             "standard library of this Python; pydoc-topics: the English "
+                             "prose of the documentation topics of this Python's help() "
+                             "(pydoc_data.topics), one document per topic, source = the "
+                             "topic name (default: %(default)s)")
     parser.add_argument("--max-docs", type=positive_int, default=None, metavar="N",
                         help="stop after N documents (default: all)")
     parser.add_argument("--max-chars", type=positive_int, default=None, metavar="N",
-                        help="split files longer than N characters into chunks of at most N "
-                             "characters, at line ends where possible; each chunk is a "
-                             "document (default: one document per file)")
+                        help="split files (topics) longer than N characters into chunks of "
+                             "at most N characters, at line ends where possible; each chunk "
+                             "is a document (default: one document per file or topic)")
     parser.add_argument("--seed", type=non_negative_int, default=None,
-                        help="shuffle the file order with this seed before taking documents, "
-                             "so --max-docs samples the whole library (default: sorted path "
-                             "order)")
+                        help="shuffle the file (topic) order with this seed before taking "
+                             "documents, so --max-docs samples the whole library (default: "
+                             "sorted path or topic-name order)")
     return parser
 
 
@@ -222,9 +265,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.output.endswith(os.sep) or os.path.isdir(args.output):
         raise ToolError(f"--output {args.output} is a directory; give a file path such as "
                         f"{os.path.join(args.output, 'corpus.jsonl')}")
-    files = KINDS[args.kind]()
-    paths = order_files(files.relative_paths, args.seed)
-    log(f"build_corpus: kind {args.kind}, {len(paths)} files under {files.root}")
+    texts = KINDS[args.kind]()
+    names = order_files(texts.names, args.seed)
+    log(f"build_corpus: kind {args.kind}, {len(names)} {texts.unit} from {texts.origin}")
 
     ensure_parent_dir(args.output)
     tmp_path = temporary_path(args.output)
@@ -233,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         # newline="\n" so the file is the same bytes on every platform.
         with open(tmp_path, "w", encoding="utf-8", newline="\n") as out:
-            for record in iter_documents(files.root, paths, args.max_chars, stats):
+            for record in iter_documents(texts, names, args.max_chars, stats):
                 line = to_jsonl_line(record)
                 out.write(line)
                 stats.documents += 1
@@ -241,15 +284,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 if args.max_docs is not None and stats.documents >= args.max_docs:
                     break
         if stats.documents == 0:
-            raise ToolError(f"no documents found for --kind {args.kind} under {files.root}")
+            raise ToolError(f"no documents found for --kind {args.kind} in {texts.origin}")
         os.replace(tmp_path, args.output)
         done = True
     finally:
         if not done:
             remove_quietly([tmp_path])
     log(f"build_corpus: wrote {stats.documents} documents ({human_mb(stats.bytes_written)}) "
-        f"from {stats.files_read} files to {args.output}; skipped "
-        f"{stats.files_skipped_not_utf8} non-UTF-8 and {stats.files_skipped_blank} blank files")
+        f"from {stats.files_read} {texts.unit} to {args.output}; skipped "
+        f"{stats.files_skipped_not_utf8} non-UTF-8 and {stats.files_skipped_blank} blank "
+        f"{texts.unit}")
 
 
 if __name__ == "__main__":

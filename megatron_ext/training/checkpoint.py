@@ -231,6 +231,15 @@ def resolve_load_dir(cfg) -> Optional[str]:
     return path
 
 
+def _optimizer_kind(config: dict) -> str:
+    """Which optimizer a run config uses, in words (their checkpoint states differ)."""
+    if config.get("zenflow", {}).get("zenflow"):
+        return "--zenflow"
+    if config.get("offload", {}).get("offload_optimizer"):
+        return "--offload-optimizer"
+    return "the plain optimizer"
+
+
 def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime) -> TrainState:
     """Loads the checkpoint at ``path`` into model, optimizer and scheduler.
 
@@ -244,6 +253,12 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime)
     if common.get("checkpoint_version") != FORMAT_VERSION:
         raise UsageError(f"--load {path}: not a megatron_ext checkpoint of format {FORMAT_VERSION}")
     with_optimizer = ck.load_optim and not ck.finetune
+    if with_optimizer:
+        saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg.to_dict())
+        if saved != now:
+            raise UsageError(f"--load {path}: its optimizer state was saved by {saved} and this "
+                             f"run uses {now}; add --finetune (model weights only) or "
+                             "--no-load-optim (weights and iteration) to start a fresh optimizer")
     state = _sharded_state(model_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer)
     loaded = dist_checkpointing.load(state, path)
     _unwrap(model_chunks[0]).load_state_dict(loaded["model"])

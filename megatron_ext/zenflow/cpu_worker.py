@@ -36,8 +36,9 @@ def adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if master.numel() == 0:
         return
     beta1, beta2 = hp["betas"]
-    adam([master], [grad], [exp_avg], [exp_avg_sq], [],
-         [torch.tensor(float(step - 1))], foreach=False,
+    # The fused CUDA kernel wants its step tensor on the device, the CPU paths on the host.
+    step_tensor = torch.tensor(float(step - 1), device=master.device if master.is_cuda else None)
+    adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step_tensor], foreach=False,
          fused=True if master.is_cuda else None, capturable=False, differentiable=False,
          has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
          weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,

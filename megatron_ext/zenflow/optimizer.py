@@ -58,14 +58,15 @@ class ZenFlowEngine:
 
     def __init__(self, cfg: ZenFlowConfig, shards: Sequence, *, device: torch.device,
                  model_dtype: torch.dtype, grad_dtype: torch.dtype, dp_group=None,
-                 tp_group=None, stats_group=None, tp_rank: int = 0, tp_size: int = 1):
+                 tp_group=None, stats_group=None, tp_rank: int = 0, tp_size: int = 1,
+                 all_params: Optional[Sequence[torch.Tensor]] = None):
         self.cfg = cfg
         self.shards = list(shards)
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.model_dtype, self.grad_dtype = model_dtype, grad_dtype
         self.dp_group, self.tp_group, self.stats_group = dp_group, tp_group, stats_group
-        self.matrices = matrices_of(self.shards, tp_rank, tp_size)
+        self.all_matrices, self.matrices = matrices_of(self.shards, tp_rank, tp_size, all_params)
         self.schedule = WindowSchedule(cfg)
         self.gpu_plan: Optional[Plan] = None
         self.cpu_plan: Optional[Plan] = None
@@ -74,6 +75,8 @@ class ZenFlowEngine:
         self.cpu = CpuSide({}, model_dtype, pin=False)
         self.selected: Dict[int, torch.Tensor] = {}
         """Matrix shard index -> whole-matrix selected columns (CPU, ascending)."""
+        self.selected_all: List[torch.Tensor] = []
+        """The same for every 2-D weight of the model (identical on all ranks)."""
         self.upload_pending = False
         """A finished or running CPU update whose weights have not entered the model yet."""
         self.selected_ratio = 0.0
@@ -220,17 +223,21 @@ class ZenFlowEngine:
 
     def _select(self, first: bool) -> None:
         """Selects the columns from the current grads; builds or moves the states."""
-        local = [column_energy(self._grad(m.shard), m) for m in self.matrices]
-        full = global_importance(local, self.matrices, self.dp_group, self.tp_group)
-        selected = {m.shard: top_columns(v, self.cfg.zenflow_topk_ratio).cpu()
-                    for m, v in zip(self.matrices, full)}
-        if self.selected:
-            kept = sum(int(torch.isin(selected[i], old).sum()) for i, old in self.selected.items())
-            self.retention = kept / max(1, sum(v.numel() for v in selected.values()))
-        chosen = sum(v.numel() for v in selected.values())
-        self.selected_ratio = chosen / max(1, sum(m.full_cols for m in self.matrices))
+        local = [torch.zeros(m.cols, dtype=torch.float64, device=self.device)
+                 for m in self.all_matrices]
+        for m in self.matrices:
+            local[m.key] = column_energy(self._grad(m.shard), m)
+        full = global_importance(local, self.all_matrices, self.dp_group, self.tp_group)
+        chosen = [top_columns(v, self.cfg.zenflow_topk_ratio).cpu() for v in full]
+        if self.selected_all:
+            kept = sum(int(torch.isin(new, old).sum())
+                       for new, old in zip(chosen, self.selected_all))
+            self.retention = kept / max(1, sum(v.numel() for v in chosen))
+        self.selected_ratio = (sum(v.numel() for v in chosen)
+                               / max(1, sum(m.full_cols for m in self.all_matrices)))
+        self.selected_all = chosen
         old_plans = (self.gpu_plan, self.cpu_plan)
-        self._set_selection(selected)
+        self._set_selection({m.shard: chosen[m.key] for m in self.matrices})
         if first:
             self._build_states()
         else:
@@ -314,6 +321,7 @@ class ZenFlowEngine:
             return state
         state.update({
             "selected": self.selected,
+            "selected_all": self.selected_all,
             "gpu_steps": self.gpu_steps,
             "cpu_steps": self.cpu.steps,
             "gpu": {k: {g: t.cpu() for g, t in v.items()} for k, v in self.gpu.items()},
@@ -332,8 +340,9 @@ class ZenFlowEngine:
         if not state["initialized"]:
             return
         self._set_selection(state["selected"])
+        self.selected_all = state["selected_all"]
         self.gpu_steps = state["gpu_steps"]
-        self.gpu = {k: {g: t.to(self.device) for g, t in v.items()}
+        self.gpu = {k: {g: t.to(self.device, copy=True) for g, t in v.items()}
                     for k, v in state["gpu"].items()}
         self.cpu.resize(self.cpu_plan.sizes)
         self.cpu.steps = state["cpu_steps"]
@@ -405,7 +414,9 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
             grad_dtype=self.grad_dtype, dp_group=self.data_parallel_group,
             tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
             stats_group=self.get_grad_stats_parallel_group(),
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp_size)
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp_size,
+            all_params=[p for chunk in self.model_chunks for p in chunk.parameters()
+                        if p.requires_grad])
 
     def _update(self) -> None:
         self.engine.step(self.optimizer.param_groups, self._inv_scale, self._clip_coeff)

@@ -64,10 +64,12 @@ def segments(start: int, end: int, cols: int) -> List[Segment]:
 
 @dataclasses.dataclass
 class Matrix:
-    """One 2-D weight's part of the rank's shard."""
+    """One 2-D weight's part of the rank's shard (no segments when the rank owns none)."""
 
     shard: int
-    """Index of the parameter in the optimizer's shard list."""
+    """Index of the parameter in the optimizer's shard list (-1: not in this rank's shard)."""
+    key: int
+    """Index of the weight among all 2-D weights of the model (the same on every DP rank)."""
     cols: int
     """Columns of the local (tensor-parallel) weight."""
     segments: List[Segment]
@@ -81,22 +83,47 @@ class Matrix:
     """Counted in rho (False for TP duplicates, like megatron-core's grad norm)."""
 
 
-def matrices_of(shards: Sequence, tp_rank: int = 0, tp_size: int = 1) -> List[Matrix]:
-    """The 2-D weights among ``shards`` (see sharded_optimizer.Shard)."""
+def all_matrices(params: Sequence[torch.Tensor], tp_rank: int = 0,
+                 tp_size: int = 1) -> List[Matrix]:
+    """Every 2-D weight of the model, in ``params`` order, with no shard yet.
+
+    ``params`` must list the model's parameters in the same order on every DP rank (the
+    model's own order): the importance vectors are all-reduced in this order.
+    """
     out = []
-    for index, shard in enumerate(shards):
-        param = shard.model_param
-        if param.dim() != 2 or shard.numel == 0:
+    for param in params:
+        if param.dim() != 2:
             continue
         cols = param.shape[1]
         split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
         dim = getattr(param, "partition_dim", -1)
         mode = ("gather" if split and dim == 1 else "sum" if split and dim == 0 else "none")
-        out.append(Matrix(shard=index, cols=cols, segments=segments(shard.start, shard.end, cols),
-                          tp_mode=mode, col_offset=tp_rank * cols if mode == "gather" else 0,
-                          full_cols=cols * tp_size if mode == "gather" else cols,
-                          counts=shard.counts_in_norm))
+        out.append(Matrix(shard=-1, key=len(out), cols=cols, segments=[], tp_mode=mode,
+                          col_offset=tp_rank * cols if mode == "gather" else 0,
+                          full_cols=cols * tp_size if mode == "gather" else cols, counts=False))
     return out
+
+
+def matrices_of(shards: Sequence, tp_rank: int = 0, tp_size: int = 1,
+                params: Optional[Sequence[torch.Tensor]] = None) -> tuple:
+    """(every 2-D weight of the model, the rank's parts of them among ``shards``).
+
+    ``shards``: see sharded_optimizer.Shard. ``params``: all parameters of the model in an
+    order every DP rank shares (default: the shards' own, enough for one rank).
+    """
+    params = list(params) if params is not None else [s.model_param for s in shards]
+    every = all_matrices(params, tp_rank, tp_size)
+    key_of = {id(p): m.key for p, m in zip([p for p in params if p.dim() == 2], every)}
+    owned = []
+    for index, shard in enumerate(shards):
+        param = shard.model_param
+        if param.dim() != 2 or shard.numel == 0:
+            continue
+        spec = every[key_of[id(param)]]
+        owned.append(dataclasses.replace(spec, shard=index,
+                                          segments=segments(shard.start, shard.end, spec.cols),
+                                          counts=shard.counts_in_norm))
+    return every, owned
 
 
 def column_energy(grad: torch.Tensor, matrix: Matrix) -> torch.Tensor:
@@ -112,8 +139,10 @@ def global_importance(local: List[torch.Tensor], matrices: List[Matrix], dp_grou
                       tp_group=None) -> List[torch.Tensor]:
     """Whole-matrix column importance from each rank's local vectors.
 
-    One all-reduce over the DP group for all matrices; over TP, one all-reduce of the
-    column-parallel vectors and one all-gather of the row-parallel ones.
+    ``local`` and ``matrices`` list every 2-D weight of the model (zeros where the rank
+    owns none of it), in the same order on every rank. One all-reduce over the DP group
+    for all matrices; over TP, one all-reduce of the column-parallel vectors and one
+    all-gather of the row-parallel ones.
     """
     dist = torch.distributed
     if not local:
@@ -179,6 +208,10 @@ class Piece:
     index: Optional[torch.Tensor] = None
     """Columns of the segment (relative to its col_lo), on the model's device."""
 
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """The columns on ``device`` (host-side gathers happen at re-selection only)."""
+        return self.index if self.index.device == device else self.index.to(device)
+
 
 @dataclasses.dataclass
 class Plan:
@@ -198,7 +231,8 @@ class Plan:
                 dst.copy_(src)
             elif piece.length:
                 block = piece.segment.view(src)
-                dst.view(piece.segment.rows, -1).copy_(block.index_select(1, piece.index))
+                dst.view(piece.segment.rows, -1).copy_(
+                    block.index_select(1, piece.index_on(block.device)))
         return out
 
     def scatter(self, group: int, values: torch.Tensor, flat_of) -> None:
@@ -210,7 +244,7 @@ class Plan:
                 dst.copy_(src)
             elif piece.length:
                 block = piece.segment.view(dst)
-                block.index_copy_(1, piece.index,
+                block.index_copy_(1, piece.index_on(block.device),
                                   src.view(piece.segment.rows, -1).to(block.dtype))
 
     def total(self) -> int:

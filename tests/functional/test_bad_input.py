@@ -15,6 +15,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--device", "cpu", "--wandb-mode", "disabled", "--eval-iters", "0"]
 MOCK = ["--mock-data", "--vocab-size", "100"]
 OFFLOAD = ["--use-distributed-optimizer", "--offload-optimizer"]
+ZENFLOW = ["--use-distributed-optimizer", "--zenflow"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,23 @@ CASES = {
     "offload corrupt checkpoint state": (
         lambda d: MOCK + OFFLOAD + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
         "checksum"),
+    "zenflow without distributed optimizer": (lambda d: MOCK + ["--zenflow"],
+                                              "add --use-distributed-optimizer"),
+    "zenflow ratio out of range": (lambda d: MOCK + ZENFLOW + ["--zenflow-topk-ratio", "0"],
+                                   "--zenflow-topk-ratio 0.0: must be in (0, 1]"),
+    "zenflow interval not a number": (
+        lambda d: MOCK + ZENFLOW + ["--zenflow-update-interval", "often"],
+        "give a number of steps or auto"),
+    "zenflow selection more often than updates": (
+        lambda d: MOCK + ZENFLOW + ["--zenflow-select-interval", "2"],
+        "shorter than --zenflow-update-interval 4"),
+    "zenflow flag without zenflow": (lambda d: MOCK + ["--zenflow-topk-ratio", "0.2"],
+                                     "--zenflow-topk-ratio needs --zenflow"),
+    "zenflow with offload": (lambda d: MOCK + ZENFLOW + ["--offload-optimizer"],
+                             "not supported yet"),
+    "zenflow resume of an offload checkpoint": (
+        lambda d: MOCK + ZENFLOW + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
+        "saved by --offload-optimizer and this run uses --zenflow"),
 }
 
 

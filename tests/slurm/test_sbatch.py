@@ -26,6 +26,7 @@ SLURM_DIR = ROOT / "examples" / "slurm"
 SINGLE = SLURM_DIR / "pretrain_gpt.sbatch"
 MULTI = SLURM_DIR / "pretrain_gpt_multinode.sbatch"
 SMOKE = SLURM_DIR / "smoke_local.sh"
+FINETUNE = SLURM_DIR / "finetune_zenflow.sbatch"
 
 ITERS = 80
 # The knobs of the job scripts for the tiny CPU configuration of tests/conftest.py (TINY).
@@ -50,7 +51,8 @@ ALL_KNOBS = (
     "SPLIT", "VOCAB_SIZE", "RUN_DIR", "SAVE_DIR", "SAVE_INTERVAL", "LOG_INTERVAL",
     "EVAL_INTERVAL", "EVAL_ITERS", "METRICS_PATH", "WANDB_PROJECT", "WANDB_MODE", "TP", "PP",
     "NPROC", "DEVICE", "PYTHON", "MEGATRON_EXT_DIR", "EXTRA_ARGS", "SHUTDOWN_TIMEOUT",
-    "MAX_REQUEUES", "MASTER_PORT",
+    "MAX_REQUEUES", "MASTER_PORT", "PRETRAINED", "ZENFLOW_TOPK_RATIO",
+    "ZENFLOW_UPDATE_INTERVAL", "ZENFLOW_SELECT_INTERVAL", "ZENFLOW_WARMUP_STEPS",
 )
 
 
@@ -279,3 +281,96 @@ def test_plain_srun_tasks_read_their_layout_from_slurm(slurm_cluster, tmp_path):
     curve = loss_curve(metrics)
     assert sorted(curve) == list(range(1, 13)), log[-3000:]
     assert curve[12] < curve[1], curve
+
+
+# ---------------------------------------------------------------- finetune_zenflow.sbatch
+
+FT_ITERS = 8
+PRETRAIN_ITERS = 4
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A checkpoint of the tiny GPT after 4 iterations, saved by pretrain_gpt.py directly."""
+    from mext_testing import TINY, run_pretrain
+
+    ckpt = tmp_path_factory.mktemp("pretrained") / "checkpoints"
+    run_pretrain([*TINY, "--use-distributed-optimizer", "--train-iters", str(PRETRAIN_ITERS),
+                  "--save", str(ckpt)], timeout=180)
+    assert read(ckpt / "latest_checkpointed_iteration.txt").strip() == str(PRETRAIN_ITERS)
+    return ckpt
+
+
+def finetune_env(run_dir: Path, pretrained: Path, **extra: str) -> Dict[str, str]:
+    """The tiny CPU configuration of finetune_zenflow.sbatch: 1 process (ZenFlow's column
+    selection does not yet run with DP > 1), windows of 2 steps, re-selection every 4."""
+    knobs = {"PRETRAINED": str(pretrained), "NPROC": "1", "LR": "1e-3",
+             "TRAIN_ITERS": str(FT_ITERS), "ZENFLOW_UPDATE_INTERVAL": "2",
+             "ZENFLOW_SELECT_INTERVAL": "4", "METRICS_PATH": str(run_dir / "metrics.jsonl")}
+    return job_env(run_dir, **{**knobs, **extra})
+
+
+def run_finetune_job(cluster: SlurmCluster, env: Dict[str, str], run_dir: Path) -> str:
+    """Submits finetune_zenflow.sbatch, waits until it COMPLETED; returns its output."""
+    job = cluster.sbatch(FINETUNE, env=env, args=NO_GPUS, output=run_dir / "job-%j.out",
+                         chdir=ROOT)
+    output = run_dir / f"job-{job}.out"
+    info = cluster.wait(job, {"COMPLETED"}, timeout=180, output=output)
+    assert info.get("ExitCode") == "0:0", cluster.diagnostics(job, output)
+    return read(output)
+
+
+def train_records(metrics: Path) -> List[dict]:
+    with open(metrics) as f:
+        return [r for r in map(json.loads, filter(str.strip, f)) if "lm_loss" in r]
+
+
+def test_finetune_zenflow_job_finetunes_from_pretrained_then_resumes_from_save_dir(
+        slurm_cluster, pretrained, tmp_path):
+    """Run 1 (SAVE_DIR empty) fine-tunes: --finetune --load PRETRAINED, iterations from 0,
+    ZenFlow metrics in every record, a checkpoint with the ZenFlow state. Run 2, with the
+    same SAVE_DIR (what a requeued run finds), resumes from it without --finetune."""
+    save = tmp_path / "checkpoints"
+    metrics = tmp_path / "metrics.jsonl"
+    log = run_finetune_job(slurm_cluster, finetune_env(tmp_path, pretrained), tmp_path)
+    why = f"\n{log[-4000:]}"
+    assert f"fine-tuning from {pretrained} (iteration {PRETRAIN_ITERS})" in log, why
+    assert f"--finetune --load {pretrained} " in log and " --zenflow " in log, why
+    assert f"loaded {pretrained}/iter_{PRETRAIN_ITERS:07d} (iteration 0," in log, why
+    assert "megatron_ext: cpu x1 " in log, why
+    records = train_records(metrics)
+    assert [r["iteration"] for r in records] == list(range(1, FT_ITERS + 1)), why
+    for r in records:
+        assert 0 <= r["zenflow/rho"] <= 1 and 0 < r["zenflow/selected_ratio"] <= 1, r
+        assert r["zenflow/update_interval"] == 2, r
+    assert read(save / "latest_checkpointed_iteration.txt").strip() == str(FT_ITERS), why
+    assert (save / f"iter_{FT_ITERS:07d}" / "zenflow" / "rank00000.pt").is_file(), why
+    # The pretrained checkpoint is only read.
+    assert sorted(p.name for p in pretrained.iterdir()) == \
+        [f"iter_{PRETRAIN_ITERS:07d}", "latest_checkpointed_iteration.txt"]
+
+    log = run_finetune_job(slurm_cluster, finetune_env(tmp_path, pretrained,
+                                                       TRAIN_ITERS=str(FT_ITERS + 4)), tmp_path)
+    why = f"\n{log[-4000:]}"
+    assert f"resuming the fine-tune from {save} (iteration {FT_ITERS})" in log, why
+    assert "--finetune" not in log and f"--load {save} " in log, why
+    assert f"loaded {save}/iter_{FT_ITERS:07d} (iteration {FT_ITERS}," in log, why
+    records = train_records(metrics)
+    assert [r["iteration"] for r in records] == list(range(1, FT_ITERS + 5)), why
+    assert all("zenflow/rho" in r for r in records), why
+    assert (save / f"iter_{FT_ITERS + 4:07d}" / "zenflow").is_dir(), why
+
+
+@pytest.mark.parametrize("case", ["unset", "not_a_checkpoint"])
+def test_finetune_zenflow_refuses_a_missing_pretrained_checkpoint(case, tmp_path):
+    """No Slurm needed: the script runs under bash; it stops before training with one
+    error line that names PRETRAINED."""
+    env = job_env(tmp_path)
+    if case == "not_a_checkpoint":
+        env["PRETRAINED"] = str(tmp_path)
+    result = subprocess.run(["bash", str(FINETUNE)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error: PRETRAINED" in lines[0], result.stderr
+    assert not (tmp_path / "checkpoints").exists(), "it went on after the error"

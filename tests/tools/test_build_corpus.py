@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+from pydoc_data.topics import topics as PYDOC_TOPICS
 
 import pytest
 from build_corpus import order_files, split_text, to_jsonl_line
@@ -61,6 +62,48 @@ def test_chunks_concatenate_to_the_file(tmp_path):
     if len(chunks) == 30:  # the file did not fit in --max-docs: compare the prefix only
         whole = whole[:len("".join(chunks))]
     assert "".join(chunks) == whole
+
+
+def test_pydoc_topics_one_document_per_topic_in_name_order(tmp_path):
+    out = tmp_path / "t.jsonl"
+    run = run_tool("build_corpus.py", "--kind", "pydoc-topics", "--output", out)
+    assert_ok(run)
+    records = _read_jsonl(out)
+    # Every topic is one whole document (no --max-chars), sources are the topic names, sorted.
+    assert [r["source"] for r in records] == sorted(PYDOC_TOPICS)
+    for record in records:
+        assert set(record) == {"text", "source", "chunk"}
+        assert record["chunk"] == 0
+        assert record["text"] == PYDOC_TOPICS[record["source"]]
+    assert f"wrote {len(PYDOC_TOPICS)} documents" in run.stderr
+    assert f"from {len(PYDOC_TOPICS)} topics" in run.stderr
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_pydoc_topics_chunks_are_deterministic_and_rebuild_each_topic(tmp_path):
+    args = ["--kind", "pydoc-topics", "--max-chars", 3000]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert_ok(run_tool("build_corpus.py", "--output", first, *args))
+    assert_ok(run_tool("build_corpus.py", "--output", second, *args))
+    assert first.read_bytes() == second.read_bytes()
+    records = _read_jsonl(first)
+    assert len(records) > len(PYDOC_TOPICS)  # some topics are longer than 3000 characters
+    assert all(0 < len(r["text"]) <= 3000 for r in records)
+    rebuilt = {}
+    for record in records:
+        assert record["chunk"] == len(rebuilt.get(record["source"], []))
+        rebuilt.setdefault(record["source"], []).append(record["text"])
+    assert list(rebuilt) == sorted(PYDOC_TOPICS)
+    assert {name: "".join(chunks) for name, chunks in rebuilt.items()} == PYDOC_TOPICS
+
+
+def test_pydoc_topics_seed_and_max_docs(tmp_path):
+    out = tmp_path / "t.jsonl"
+    assert_ok(run_tool("build_corpus.py", "--kind", "pydoc-topics", "--output", out,
+                       "--max-docs", 10, "--seed", 5))
+    sources = [r["source"] for r in _read_jsonl(out)]
+    assert len(sources) == 10
+    assert sources == order_files(sorted(PYDOC_TOPICS), 5)[:10]
 
 
 @pytest.mark.parametrize("text, max_chars, expected", [

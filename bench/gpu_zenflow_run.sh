@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine for ZenFlow: install the carried wheels, optionally run
+# GPU tests, set up DeepSpeed when a deepspeed-* configuration is asked for, then
+# bench/zenflow_bench.py (mean step over whole update windows; see its --help).
+# Usage (repository root, on the GPU machine; carry .whl and .peers):
+#   OUT=/dir bash bench/gpu_zenflow_run.sh                       # all six configurations
+#   OUT=/dir TESTS=tests/gpu/test_gpu_zenflow.py CONFIGS=no-offload,mcore-offload,host-only,zenflow \
+#       bash bench/gpu_zenflow_run.sh
+#   OUT=/dir CONFIGS=zenflow,deepspeed-zero-offload,deepspeed-zenflow bash bench/gpu_zenflow_run.sh
+# CONFIGS unset: all six; CONFIGS= (empty): no benchmark (tests only). BENCH_ARGS: more
+# zenflow_bench.py flags (--topk, --interval, --windows, ...). DS_SETUP=full: the bundle's
+# whole setup_on_gpu.sh (also builds async_io, ~1 min more); by default only its install
+# (--no-build) and the cpu_adam op that ZeRO-Offload and ZenFlow use.
+# Writes $OUT/machine.txt, gpu_tests.txt, ds_setup.txt, zenflow_bench.json, zenflow_bench.txt.
+#
+# Time on the H200 for the 1.34B reference (default 1+3 windows of S=4: 16 steps per run;
+# process start and model build ~30-40 s per megatron_ext run, ~50 s per DeepSpeed run with
+# its 36 s deepspeed.initialize; step times from bench/results/2026-11-30-h200-offload and
+# the DeepSpeed bundle's README):
+#   gpu_setup.sh (wheels)                                  ~15 s
+#   DeepSpeed setup: install + cpu_adam build (DS_SETUP=full ~120 s)   ~60 s
+#   no-offload              16 x 0.19 s  =  3 s + start    ~35-45 s
+#   mcore-offload           16 x 0.68 s  = 11 s + start    ~45-55 s
+#   host-only               16 x 0.77 s  = 12 s + start    ~45-55 s
+#   zenflow                 16 x 0.2-0.8 s (not measured yet; first step selects) ~40-60 s
+#   deepspeed-zero-offload  16 x 1.44 s  = 23 s + start    ~75-85 s
+#   deepspeed-zenflow       16 x 0.52 s  =  8 s + start    ~60-70 s
+#   all six, no TESTS: ~375-445 s: fits the 600 s limit of one call (each run is killed
+#   after zenflow_bench.py's --timeout, 240 s). With TESTS (tests/gpu/test_gpu_offload.py
+#   alone took 200-240 s) split into two calls: TESTS + no-offload,mcore-offload,host-only,
+#   zenflow (~200 s + tests), then zenflow,deepspeed-zero-offload,deepspeed-zenflow (~250 s;
+#   zenflow again as the link between the two machines).
+set -uo pipefail
+. "$(dirname "$0")/gpu_setup.sh"
+CONFIGS="${CONFIGS-no-offload,mcore-offload,host-only,zenflow,deepspeed-zero-offload,deepspeed-zenflow}"
+if [ -n "${TESTS:-}" ]; then
+  echo "== pytest $TESTS"
+  python3 -m pytest -q $TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
+fi
+if [ -n "$CONFIGS" ]; then
+  case "$CONFIGS" in *deepspeed*)
+    echo "== DeepSpeed setup ($(date -u +%H:%M:%S))"
+    if [ "${DS_SETUP:-}" = full ]; then
+      bash .peers/deepspeed/setup_on_gpu.sh > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
+    else
+      { bash .peers/deepspeed/setup_on_gpu.sh --no-build \
+          && (. .peers/deepspeed/env.sh && python3 -c "import time; t = time.time(); \
+from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); \
+print('[dsbundle] cpu_adam ok (%.0f s)' % (time.time() - t))"); } \
+          > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
+    fi
+    tail -1 "$OUT/ds_setup.txt";;
+  esac
+  echo "== zenflow_bench.py --configs $CONFIGS ${BENCH_ARGS:-} ($(date -u +%H:%M:%S))"
+  python3 bench/zenflow_bench.py --configs "$CONFIGS" --output "$OUT/zenflow_bench.json" \
+      --deepspeed-bundle .peers/deepspeed ${BENCH_ARGS:-} 2>&1 | tee "$OUT/zenflow_bench.txt" | tail -30
+  echo "== done ($(date -u +%H:%M:%S))"
+fi

@@ -1,0 +1,45 @@
+"""--zenflow with two processes (torchrun, gloo): DP=2 and TP=2 equal plain Adam where
+ZenFlow must (all columns selected; synchronous steps), and resume is exact at DP=2."""
+
+from __future__ import annotations
+
+import pytest
+
+from mext_testing import TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
+
+BASE = [*TINY, "--train-iters", "12", "--use-distributed-optimizer"]
+LAYOUTS = {"dp2-bf16": ["--bf16"], "tp2-bf16": ["--bf16", "--tensor-model-parallel-size", "2"],
+           "dp2-fp32": []}
+MODES = {
+    "all-selected": ["--zenflow", "--zenflow-topk-ratio", "1.0", "--zenflow-update-interval",
+                     "1"],
+    "synchronous": ["--zenflow", "--zenflow-topk-ratio", "0.3", "--zenflow-full-warmup-steps",
+                    "12", "--zenflow-select-interval", "4"],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_ranks_zenflow_equals_plain(tmp_path, layout, mode):
+    plain, zenflow = tmp_path / "plain.jsonl", tmp_path / "zenflow.jsonl"
+    flags = [*BASE, *LAYOUTS[layout]]
+    run_pretrain([*flags, "--metrics-path", str(plain)], nproc=2)
+    run_pretrain([*flags, *MODES[mode], "--metrics-path", str(zenflow)], nproc=2)
+    assert train_losses(zenflow) == train_losses(plain)
+
+
+@pytest.mark.parametrize("layout", ["dp2-bf16", "tp2-bf16"])
+def test_two_ranks_zenflow_resume_is_exact(tmp_path, layout):
+    flags = [*BASE, *LAYOUTS[layout], "--zenflow", "--zenflow-update-interval", "3",
+             "--zenflow-select-interval", "6"]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=7, nproc=2)
+    assert losses_of(resumed) == losses_of(straight)
+
+
+def test_other_layout_is_one_line_error(tmp_path):
+    flags = [*BASE, "--bf16", "--zenflow", "--zenflow-update-interval", "3"]
+    ckpt = tmp_path / "ckpt"
+    run_pretrain([*flags, "--train-iters", "3", "--save", str(ckpt)], nproc=2)
+    result = run_pretrain([*flags, "--load", str(ckpt)], nproc=1, check=False)
+    assert result.returncode != 0
+    assert "another parallel layout" in result.stdout, result.stdout[-3000:]

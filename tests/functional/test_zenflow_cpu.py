@@ -1,0 +1,130 @@
+"""pretrain_gpt.py with --zenflow on the CPU: exact where it must be, resumable, measured.
+
+The engine's semantics (windows, delayed application, re-selection that keeps every
+moment, no race between the CPU threads) are proven against a plain-PyTorch reference in
+tests/unit/test_zenflow_engine.py; here whole runs go through megatron-core's optimizer,
+checkpoints and processes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mext_testing import (
+    TINY,
+    assert_loss_falls,
+    losses_of,
+    precision_flags,
+    read_metrics,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
+
+ITERS = 20
+BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer"]
+ZENFLOW = ["--zenflow"]
+# Every column on the GPU side, one-step windows: plain Adam.
+ALL_SELECTED = [*ZENFLOW, "--zenflow-topk-ratio", "1.0", "--zenflow-update-interval", "1"]
+# Every step synchronous (warm-up), 30% of the columns on the GPU side, re-selected every
+# 4 steps: the CPU side updates its columns inside the step, so this is plain Adam too.
+ALL_WARMUP = [*ZENFLOW, "--zenflow-topk-ratio", "0.3", "--zenflow-full-warmup-steps",
+              str(ITERS), "--zenflow-select-interval", "4"]
+ASYNC = [*ZENFLOW, "--zenflow-select-interval", "8"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Losses of the plain distributed optimizer, per precision (computed once)."""
+    cache = {}
+
+    def get(precision: str):
+        if precision not in cache:
+            out = tmp_path_factory.mktemp("baseline") / "m.jsonl"
+            run_pretrain([*BASE, *precision_flags(precision), "--metrics-path", str(out)])
+            cache[precision] = train_losses(out)
+        return cache[precision]
+    return get
+
+
+def run_zenflow(tmp_path, flags, name="zenflow.jsonl", **kwargs):
+    out = tmp_path / name
+    run_pretrain([*BASE, *flags, "--metrics-path", str(out)], **kwargs)
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_all_columns_selected_equals_plain_adam(tmp_path, baseline, precision):
+    out = run_zenflow(tmp_path, [*ALL_SELECTED, *precision_flags(precision)])
+    assert train_losses(out) == baseline(precision)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_synchronous_steps_equal_plain_adam(tmp_path, baseline, precision):
+    """The CPU side's Adam, accumulation, unscaling and clipping match megatron-core's."""
+    out = run_zenflow(tmp_path, [*ALL_WARMUP, *precision_flags(precision)])
+    records = read_metrics(out)
+    assert losses_of(records) == baseline(precision)
+    # Not trivially so: 70% of the matrix columns were updated by the CPU side.
+    last = [r for r in records if "zenflow/selected_ratio" in r][-1]
+    assert 0.25 < last["zenflow/selected_ratio"] < 0.35
+    assert last["zenflow/h2d_bytes"] > 0
+
+
+def test_async_windows_train_and_report(tmp_path, baseline):
+    out = run_zenflow(tmp_path, [*ASYNC, "--bf16"])
+    records = [r for r in read_metrics(out) if "lm_loss" in r]
+    losses = losses_of(records)
+    assert_loss_falls(losses)
+    assert losses != baseline("bf16")  # the delayed columns really are delayed
+    assert len(records) == ITERS
+    for r in records:
+        assert 0.0 < r["zenflow/rho"] < 1.0
+        assert r["zenflow/update_interval"] == 4
+        assert abs(r["zenflow/selected_ratio"] - 0.1) < 0.03
+        assert r["zenflow/d2h_bytes"] > 0
+    # Windows end at 4, 8, 12, 16, 20; a window's CPU update enters the model at the end
+    # of the next one (8: window 4's), and a re-selection (12, 20) first applies the
+    # pending update and the one it just ran, so 16 has nothing to apply. With log
+    # interval 1, exactly those records carry H2D bytes, twice as many at re-selections.
+    uploads = {r["iteration"]: r["zenflow/h2d_bytes"] for r in records
+               if r["zenflow/h2d_bytes"] > 0}
+    assert sorted(uploads) == [8, 12, 20]
+    assert uploads[12] == pytest.approx(2 * uploads[8], rel=0.05)
+    # Re-selection at steps 12 and 20 (interval 8, from step 1, at window ends).
+    assert math.isnan(records[10]["zenflow/retention"])
+    assert 0.0 <= records[11]["zenflow/retention"] <= 1.0
+    # Only the selected columns and 1-D parameters keep fp32 state on the device.
+    last = records[-1]
+    assert 0 < last["zenflow/device_state_gib"] < 0.25 * last["zenflow/host_state_gib"]
+
+
+@pytest.mark.parametrize("stop_at", [6, 12])
+def test_resume_is_exact(tmp_path, stop_at):
+    """Stopped mid-window with a CPU update pending (6), or at a re-selection (12)."""
+    flags = [*BASE, *ASYNC, "--bf16"]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at)
+    assert losses_of(resumed) == losses_of(straight)
+    ckpt = tmp_path / "ckpt" / f"iter_{stop_at:07d}"
+    assert (ckpt / "zenflow" / "rank00000.pt").is_file()
+
+
+def test_finetune_from_a_plain_checkpoint(tmp_path):
+    ckpt = tmp_path / "pretrained"
+    run_pretrain([*BASE, "--train-iters", "4", "--save", str(ckpt)])
+    out = run_zenflow(tmp_path, [*ASYNC, "--finetune", "--load", str(ckpt),
+                                 "--train-iters", "8", "--save", str(tmp_path / "ft")])
+    assert len(train_losses(out)) == 8
+    assert (tmp_path / "ft" / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+def test_plain_checkpoint_without_finetune_is_one_line_error(tmp_path):
+    ckpt = tmp_path / "pretrained"
+    run_pretrain([*BASE, "--train-iters", "4", "--save", str(ckpt)])
+    result = run_pretrain([*BASE, *ASYNC, "--load", str(ckpt)], check=False)
+    assert result.returncode == 2, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "--finetune" in lines[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
