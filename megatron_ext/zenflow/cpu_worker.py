@@ -26,12 +26,18 @@ JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
 """Test hook: a maximum delay in seconds, slept at random before each CPU task."""
 
 
-def adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, step: int, hp: dict) -> None:
-    """One AdamW step in place, torch's implementation (megatron-core's on the CPU).
+ACCUMULATE_CHUNK = 1 << 24
+"""Elements converted to fp32 at a time when a step's grads are accumulated (64 MB)."""
 
-    The fused kernel on CUDA tensors (as the model's device optimizer would), torch's
-    reference implementation on CPU tensors: bit for bit what torch.optim.AdamW gives.
+
+def adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, step: int, hp: dict, fused: bool = False) -> None:
+    """One AdamW step in place, torch's implementation.
+
+    CUDA tensors always take the fused kernel. Host tensors take torch's fused CPU kernel
+    when ``fused`` (GPU machines, where the CPU side must be fast), else the reference
+    implementation, which is what megatron-core's optimizer runs on a CPU-only machine:
+    bit for bit the same results there.
     """
     if master.numel() == 0:
         return
@@ -39,7 +45,8 @@ def adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     # The fused CUDA kernel wants its step tensor on the device, the CPU paths on the host.
     step_tensor = torch.tensor(float(step - 1), device=master.device if master.is_cuda else None)
     adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step_tensor], foreach=False,
-         fused=True if master.is_cuda else None, capturable=False, differentiable=False,
+         fused=True if (master.is_cuda or fused) else None, capturable=False,
+         differentiable=False,
          has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
          weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
          decoupled_weight_decay=True)
@@ -55,11 +62,17 @@ def unscale_clip(grad: torch.Tensor, inv_scale, clip_coeff) -> torch.Tensor:
 
 
 class CpuSide:
-    """fp32 master, Adam moments and two accumulators per param group, on the host."""
+    """fp32 master, Adam moments and two accumulators per param group, on the host.
+
+    On GPU machines (``pin``), the weights waiting to enter the model are in page-locked
+    memory (fast H2D copies) and Adam is torch's fused CPU kernel.
+    """
 
     def __init__(self, sizes: Dict[int, int], model_dtype: torch.dtype, pin: bool):
         self.model_dtype = model_dtype
         self.pin = pin
+        self._pinned: Dict[int, torch.Tensor] = {}
+        self._scratch = threading.local()
         self.master: Dict[int, torch.Tensor] = {}
         self.exp_avg: Dict[int, torch.Tensor] = {}
         self.exp_avg_sq: Dict[int, torch.Tensor] = {}
@@ -82,7 +95,28 @@ class CpuSide:
         """Test hook: when a list, each update appends (window, [per-group mean grads])."""
 
     def _empty(self, n: int, dtype=torch.float32) -> torch.Tensor:
-        return torch.zeros(n, dtype=dtype, pin_memory=self.pin)
+        return torch.zeros(n, dtype=dtype)
+
+    def _upload_buffers(self, sizes: Dict[int, int]) -> Dict[int, torch.Tensor]:
+        """Views of per-group page-locked buffers, kept across re-selections.
+
+        A buffer is replaced (with 1% headroom) only when a group outgrows it: page-locked
+        allocations are registered for the life of the process.
+        """
+        if not self.pin:
+            return {g: self._empty(n, self.model_dtype) for g, n in sizes.items()}
+        from megatron_ext.offload.io import aligned_empty
+
+        out = {}
+        for group, n in sizes.items():
+            buf = self._pinned.get(group)
+            if buf is None or buf.numel() < n:
+                size = int(n * 1.01) + 1
+                buf = self._pinned[group] = aligned_empty(
+                    size * torch.empty((), dtype=self.model_dtype).element_size(),
+                    self.model_dtype, pin=True)
+            out[group] = buf[:n]
+        return out
 
     def resize(self, sizes: Dict[int, int]) -> None:
         """Fresh (zero) buffers for the given per-group sizes."""
@@ -90,7 +124,7 @@ class CpuSide:
         for store in (self.master, self.exp_avg, self.exp_avg_sq, *self.acc):
             store.clear()
             store.update({g: self._empty(n) for g, n in sizes.items()})
-        self.upload = {g: self._empty(n, self.model_dtype) for g, n in sizes.items()}
+        self.upload = self._upload_buffers(sizes)
         self.acc_steps = [0, 0]
 
     def replace_states(self, sizes: Dict[int, int], states: Dict[str, Dict[int, torch.Tensor]]
@@ -107,7 +141,7 @@ class CpuSide:
         for store in self.acc:
             store.clear()
             store.update({g: self._empty(n) for g, n in sizes.items()})
-        self.upload = {g: self._empty(n, self.model_dtype) for g, n in sizes.items()}
+        self.upload = self._upload_buffers(sizes)
         self.acc_steps = [0, 0]
 
     # ------------------------------------------------------------ tasks
@@ -141,13 +175,31 @@ class CpuSide:
             if ready is not None:
                 ready()
             for group, grad in grads.items():
-                fp32 = unscale_clip(grad.float(), inv_scale, clip_coeff)
-                self.acc[buffer][group].add_(fp32)
+                self._add_fp32(self.acc[buffer][group], grad, inv_scale, clip_coeff)
             self.acc_steps[buffer] += 1
             if done is not None:
                 done()
         self._last_acc = self._acc_pool.submit(self._timed("accumulate", task))
         return self._last_acc
+
+    def _add_fp32(self, acc: torch.Tensor, grad: torch.Tensor, inv_scale, clip_coeff) -> None:
+        """``acc += unscale_clip(fp32(grad))``, a chunk at a time through a reused buffer.
+
+        The same roundings as converting the whole gradient first (each element is
+        converted, multiplied and added once), without a full-size fp32 copy per step.
+        """
+        if grad.dtype == torch.float32 and inv_scale is None and clip_coeff is None:
+            acc.add_(grad)
+            return
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None:
+            scratch = self._scratch.buffer = torch.empty(ACCUMULATE_CHUNK)
+        for start in range(0, grad.numel(), ACCUMULATE_CHUNK):
+            part = grad[start:start + ACCUMULATE_CHUNK]
+            fp32 = scratch[:part.numel()]
+            fp32.copy_(part)
+            unscale_clip(fp32, inv_scale, clip_coeff)
+            acc[start:start + part.numel()].add_(fp32)
 
     def submit_update(self, buffer: int, window: int, hparams: List[dict]) -> Future:
         """Starts Adam on the window in ``buffer`` (after its last accumulation)."""
@@ -171,7 +223,7 @@ class CpuSide:
                 grad.div_(steps)
             means[group] = grad
             adam_update(self.master[group], grad, self.exp_avg[group], self.exp_avg_sq[group],
-                        self.steps, hparams[group])
+                        self.steps, hparams[group], fused=self.pin)
             self.upload[group].copy_(self.master[group])
         if self.trace is not None:
             self.trace.append((window, {g: t.clone() for g, t in means.items()}))

@@ -72,7 +72,7 @@ class ZenFlowEngine:
         self.cpu_plan: Optional[Plan] = None
         self.gpu: Dict[str, Dict[int, torch.Tensor]] = {k: {} for k in KINDS}
         self.gpu_steps = 0
-        self.cpu = CpuSide({}, model_dtype, pin=False)
+        self.cpu = CpuSide({}, model_dtype, pin=self.is_cuda)
         self.selected: Dict[int, torch.Tensor] = {}
         """Matrix shard index -> whole-matrix selected columns (CPU, ascending)."""
         self.selected_all: List[torch.Tensor] = []
