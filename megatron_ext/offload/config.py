@@ -18,7 +18,9 @@ class OffloadConfig:
     """Move the fp32 master weights and Adam moments of this rank's distributed-optimizer
     shard off the model's device: into a host cache and, with --offload-paths, into files
     on a third tier of directories. CPU Adam updates them subgroup by subgroup; the GPU
-    keeps only the training-dtype weights and gradients. Needs --use-distributed-optimizer."""
+    keeps only the training-dtype weights and gradients. Needs --use-distributed-optimizer.
+    With --zenflow: the states of ZenFlow's CPU side (the delayed columns) go there instead,
+    with the columns selected at step 1 kept for the run."""
     offload_paths: List[str] = option(default_factory=list, nargs="+",
                                       metavar="DIR[@READ_GBPS,WRITE_GBPS]")
     """Directories of the third tier (node-local NVMe, parallel-file-system scratch, ...).

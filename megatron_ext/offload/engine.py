@@ -39,6 +39,7 @@ from megatron_ext.offload.cache import HostCache
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.io import (
     RESTART_HINT,
+    SPARES_PER_SIZE,
     OffloadStateError,
     StateFileIO,
     aligned_empty,
@@ -165,7 +166,9 @@ class OffloadEngine:
         self.sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
         if self.tiers:
             weights = [t.effective_gbps for t in self.tiers]
-            free = [check_free_space(t.path, 0) for t in self.tiers]
+            # Room for the recycled spares and one temporary file per path besides the states.
+            reserve = (SPARES_PER_SIZE + 1) * max(self.sizes, default=0)
+            free = [max(0, check_free_space(t.path, 0) - reserve) for t in self.tiers]
             self.home = place_subgroups(self.sizes, weights, cfg.offload_placement, capacity=free)
             self.rebalancer = (Rebalancer(weights) if cfg.offload_rebalance and len(self.tiers) > 1
                                else None)
@@ -645,8 +648,9 @@ class OffloadEngine:
         """Puts this rank's state files under ``directory`` with a manifest.
 
         Cached subgroups are written there directly; the others are hard-linked from their
-        path (a tier file is never rewritten in place: a new step's file is a new inode),
-        or copied where a link is impossible (another file system).
+        path (a tier file is never rewritten in place while linked: the io layer recycles
+        only replaced files that nothing else links), or copied where a link is impossible
+        (another file system).
         """
         if not self.initialized:
             self.initialize_from_model()

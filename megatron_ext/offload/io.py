@@ -6,6 +6,15 @@ one file per subgroup, rewritten every step. A file is written under a temporary
 its directory and renamed over the old one, so a reader sees the old state or the new
 one, never a mix, and a crash mid-write leaves the previous file intact.
 
+Temporary files are recycled: a replaced file whose inode nothing else links (no
+checkpoint hard link) is kept as a spare (``.spare-SIZE-TOKEN``, at most
+``SPARES_PER_SIZE`` per size and directory), and the next write of that size claims it by
+renaming it to its temporary name and overwrites it. On ext4, O_DIRECT writes that extend
+a file hold the inode lock exclusively, so the I/O threads of a new file write one at a
+time; overwrites of written blocks run in parallel (8 threads, 512 MiB, on the dev
+machine's virtio disk, 2026-11-30: 1.94-2.04 GB/s into a new file, 3.26-3.69 GB/s
+overwriting). The spare is never the file being replaced, so the guarantee above holds.
+
 File format (version 1, all integers little-endian)::
 
     offset 0     header block, ALIGN (4096) bytes:
@@ -69,6 +78,8 @@ MAX_CHUNKS = 256
 """Most chunks of a file: bounds the digest table so that it fits the header block."""
 BOUNCE_BYTES = 8 << 20
 """Per-thread bounce buffer for O_DIRECT I/O from or to an unaligned tensor."""
+SPARES_PER_SIZE = 2
+"""Recycled files kept per file size and directory (see the module docstring)."""
 
 _FIXED = struct.Struct("<8sIIqqqqq8sqII")
 _DIGEST = struct.Struct("<Q")
@@ -277,8 +288,13 @@ class StateFileIO:
         digests = [0] * nchunks
         directory, base = os.path.split(os.path.abspath(path))
         tmp = os.path.join(directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd, direct = self._open(tmp, flags, 0o600, directory)
+        size = ALIGN + _round_up(nbytes)
+        claimed = self._claim_spare(directory, tmp, size)
+        if claimed is None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            claimed = self._open(tmp, flags, 0o600, directory)
+        fd, direct = claimed
+        spare = None
         try:
             try:
                 aligned = src.ctypes.data % ALIGN == 0
@@ -293,13 +309,20 @@ class StateFileIO:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            spare = self._retire(path, directory, size)
             os.rename(tmp, path)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            for name in (tmp, spare):
+                if name is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
             raise
         _fsync_dir(directory)
-        size = ALIGN + _round_up(nbytes)
+        if spare is not None:
+            # A hard link made since (a checkpoint's) keeps the old file: never recycle it.
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(spare).st_nlink != 1:
+                    os.unlink(spare)
         if self.trace is not None:
             self.trace("write", path, t_start, time.monotonic(), size)
         return size
@@ -356,6 +379,50 @@ class StateFileIO:
         return header["step"]
 
     # -- internals ---------------------------------------------------------------------
+
+    def _claim_spare(self, directory: str, tmp: str, size: int):
+        """A recycled file of ``size`` bytes renamed to ``tmp`` and opened; None if none."""
+        prefix = f".spare-{size}-"
+        try:
+            names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        except OSError:
+            return None
+        for name in names:
+            try:
+                os.rename(os.path.join(directory, name), tmp)
+            except FileNotFoundError:  # another thread claimed it first
+                continue
+            try:
+                fd, direct = self._open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                        directory)
+            except OSError:  # e.g. a symlink planted under a spare's name
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                continue
+            st = os.fstat(fd)
+            if (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1
+                    and st.st_size == size):
+                return fd, direct
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return None
+
+    def _retire(self, path: str, directory: str, size: int) -> Optional[str]:
+        """Links the file about to be replaced as a spare when it may be recycled."""
+        try:
+            st = os.lstat(path)
+            if (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size
+                    or st.st_uid != os.getuid()):
+                return None
+            prefix = f".spare-{size}-"
+            if sum(n.startswith(prefix) for n in os.listdir(directory)) >= SPARES_PER_SIZE:
+                return None
+            spare = os.path.join(directory, prefix + secrets.token_hex(4))
+            os.link(path, spare, follow_symlinks=False)
+            return spare
+        except OSError:
+            return None
 
     def _open(self, path: str, flags: int, mode: int, directory: str):
         """Opens with O_DIRECT when configured and the directory allows it; (fd, direct)."""

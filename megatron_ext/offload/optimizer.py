@@ -136,9 +136,14 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
     return specs
 
 
+def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:
+    """(run id, tier specs with bandwidths): the same on every rank (collective call)."""
+    run_id = _broadcast(_run_id(cfg) if rank == 0 else None)
+    return run_id, resolve_tiers(cfg, rank)
+
+
 def offloaded_distributed_optimizer(cfg: OffloadConfig, rank: int):
     """Within the block, megatron-core's optimizer factory builds the offloaded optimizer."""
-    run_id = _broadcast(_run_id(cfg) if rank == 0 else None)
-    tiers = resolve_tiers(cfg, rank)
+    run_id, tiers = offload_setup(cfg, rank)
     return bound_distributed_optimizer(OffloadedDistributedOptimizer, offload_config=cfg,
                                        rank=rank, run_id=run_id, tiers=tiers)

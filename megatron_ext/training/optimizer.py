@@ -56,15 +56,15 @@ def build_optimizer(cfg, model_chunks, runtime):
     if cfg.optimizer.optimizer_cpu_offload and runtime.is_cpu:
         raise UsageError("--optimizer-cpu-offload is megatron-core's GPU-to-host offload and "
                          "needs a GPU; on the CPU the optimizer states are already in host memory")
+    if cfg.zenflow.zenflow:
+        from megatron_ext.zenflow.optimizer import zenflow_optimizer
+
+        with zenflow_optimizer(cfg.zenflow, runtime.rank, cfg.offload):
+            return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     if cfg.offload.offload_optimizer:
         from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
 
         with offloaded_distributed_optimizer(cfg.offload, runtime.rank):
-            return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
-    if cfg.zenflow.zenflow:
-        from megatron_ext.zenflow.optimizer import zenflow_optimizer
-
-        with zenflow_optimizer(cfg.zenflow, runtime.rank):
             return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
 

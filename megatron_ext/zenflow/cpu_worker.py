@@ -213,6 +213,29 @@ class CpuSide:
         self._update = self._update_pool.submit(self._timed("update", task))
         return self._update
 
+    def set_masters(self, masters: Dict[int, torch.Tensor]) -> None:
+        """fp32 masters per group (from the model's weights); moments kept."""
+        for group, values in masters.items():
+            self.master[group].copy_(values)
+
+    def masters_to_upload(self) -> None:
+        """Casts the masters into the upload buffers (their weights enter the model next)."""
+        for group, master in self.master.items():
+            self.upload[group].copy_(master)
+
+    def states(self) -> Dict[str, Dict[int, torch.Tensor]]:
+        """master, exp_avg, exp_avg_sq per group (for checkpoints and re-selection)."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def metrics(self) -> Dict[str, float]:
+        """Metrics of the state store since the last call (none in host memory)."""
+        return {}
+
+    def host_bytes(self) -> int:
+        """Host memory of the states and accumulators."""
+        stores = [*self.states().values(), *self.acc]
+        return sum(t.numel() * t.element_size() for s in stores for t in s.values())
+
     def _apply_adam(self, buffer: int, window: int, hparams: List[dict]) -> None:
         steps = self.acc_steps[buffer]
         self.steps += 1
@@ -253,3 +276,99 @@ class CpuSide:
         """Finishes the submitted tasks and stops the threads."""
         for pool in (self._acc_pool, self._update_pool):
             pool.shutdown(wait=True)
+
+
+class TieredCpuSide(CpuSide):
+    """The CPU side with its fp32 master and moments in the offload engine.
+
+    The engine keeps them in its host cache and in files on the ``--offload-paths``
+    directories, one "parameter" per param group (the group's compact delayed columns):
+    a window's update is one engine step over all subgroups, with the window's mean
+    gradients (the fp32 accumulator) as the gradients and the upload buffers as the model
+    weights it writes. Accumulators and upload buffers stay in host memory.
+    """
+
+    def __init__(self, sizes: Dict[int, int], model_dtype: torch.dtype, pin: bool,
+                 make_engine: Callable):
+        self._make_engine = make_engine
+        self.engine = None
+        self._buffer = 0
+        self._init: Dict[int, torch.Tensor] = {}
+        super().__init__(sizes, model_dtype, pin)
+
+    def resize(self, sizes: Dict[int, int]) -> None:
+        """A fresh engine for the per-group sizes; fresh accumulators."""
+        from megatron_ext.offload.engine import ShardParam
+
+        self.sizes = dict(sizes)
+        for store in self.acc:
+            store.clear()
+            store.update({g: self._empty(n) for g, n in sizes.items()})
+        self.upload = self._upload_buffers(sizes)
+        self.acc_steps = [0, 0]
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if sizes:
+            params = [ShardParam(numel=n, group=g, grad=lambda g=g: self.acc[self._buffer][g],
+                                 out=self.upload[g], init=lambda g=g: self._init[g])
+                      for g, n in sorted(sizes.items())]
+            self.engine = self._make_engine(params)
+
+    def replace_states(self, sizes, states) -> None:
+        """Not supported: the engine's layout is fixed (no re-selection in this mode)."""
+        raise NotImplementedError("re-selection with the CPU side in the offload tiers")
+
+    def set_masters(self, masters: Dict[int, torch.Tensor]) -> None:
+        """The engine's masters from ``masters`` (zero moments on the first call)."""
+        if self.engine is None:
+            return
+        self._init = masters
+        try:
+            if self.engine.initialized:
+                self.engine.reset_masters_from_model()
+            else:
+                self.engine.initialize_from_model()
+        finally:
+            self._init = {}
+
+    def masters_to_upload(self) -> None:
+        """The engine's masters, cast, into the upload buffers."""
+        if self.engine is not None:
+            self.engine.write_all_params()
+
+    def states(self) -> Dict[str, Dict[int, torch.Tensor]]:
+        """Not in host memory: the engine saves its files with the checkpoint."""
+        return {}
+
+    def metrics(self) -> Dict[str, float]:
+        """The engine's ``offload/*`` metrics since the last call."""
+        return self.engine.metrics() if self.engine is not None else {}
+
+    def host_bytes(self) -> int:
+        """Accumulators, upload buffers and the engine's host cache."""
+        total = sum(t.numel() * t.element_size() for s in self.acc for t in s.values())
+        if self.engine is not None:
+            total += len(self.engine.cache) * self.engine.max_numel * 12
+        return total
+
+    def _apply_adam(self, buffer: int, window: int, hparams: List[dict]) -> None:
+        steps = self.acc_steps[buffer]
+        if steps > 1:
+            for grad in self.acc[buffer].values():
+                grad.div_(steps)
+        if self.trace is not None:
+            self.trace.append((window, {g: t.clone() for g, t in self.acc[buffer].items()}))
+        if self.engine is not None:
+            self._buffer = buffer
+            self.engine.step(hparams, None, None)
+        self.steps += 1
+        for grad in self.acc[buffer].values():
+            grad.zero_()
+        self.acc_steps[buffer] = 0
+
+    def close(self) -> None:
+        """Stops the threads and the engine (its tier files are removed)."""
+        super().close()
+        if self.engine is not None:
+            self.engine.close()

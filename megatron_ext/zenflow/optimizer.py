@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from megatron_ext.training.sharded_optimizer import (
     bound_distributed_optimizer,
 )
 from megatron_ext.zenflow.config import ZenFlowConfig
-from megatron_ext.zenflow.cpu_worker import CpuSide, adam_update, unscale_clip
+from megatron_ext.zenflow.cpu_worker import CpuSide, TieredCpuSide, adam_update, unscale_clip
 from megatron_ext.zenflow.schedule import WindowSchedule
 from megatron_ext.zenflow.selection import (
     Plan,
@@ -59,7 +59,8 @@ class ZenFlowEngine:
     def __init__(self, cfg: ZenFlowConfig, shards: Sequence, *, device: torch.device,
                  model_dtype: torch.dtype, grad_dtype: torch.dtype, dp_group=None,
                  tp_group=None, stats_group=None, tp_rank: int = 0, tp_size: int = 1,
-                 all_params: Optional[Sequence[torch.Tensor]] = None):
+                 all_params: Optional[Sequence[torch.Tensor]] = None,
+                 make_cpu_engine: Optional[Callable] = None):
         self.cfg = cfg
         self.shards = list(shards)
         self.device = device
@@ -72,7 +73,11 @@ class ZenFlowEngine:
         self.cpu_plan: Optional[Plan] = None
         self.gpu: Dict[str, Dict[int, torch.Tensor]] = {k: {} for k in KINDS}
         self.gpu_steps = 0
-        self.cpu = CpuSide({}, model_dtype, pin=self.is_cuda)
+        # With make_cpu_engine (--offload-optimizer), the CPU side's master and moments
+        # live in an offload engine (host cache and --offload-paths files).
+        self.cpu = (CpuSide({}, model_dtype, pin=self.is_cuda) if make_cpu_engine is None else
+                    TieredCpuSide({}, model_dtype, pin=self.is_cuda,
+                                  make_engine=make_cpu_engine))
         self.selected: Dict[int, torch.Tensor] = {}
         """Matrix shard index -> whole-matrix selected columns (CPU, ascending)."""
         self.selected_all: List[torch.Tensor] = []
@@ -260,13 +265,17 @@ class ZenFlowEngine:
         self._masters_to_cpu()
 
     def _masters_to_cpu(self) -> None:
-        for group, n in self.cpu_plan.sizes.items():
-            weights = self.cpu_plan.gather(group, self._weights, torch.empty(
-                n, dtype=self.model_dtype, device=self.device))
-            self.cpu.master[group].copy_(weights)
+        self.cpu.set_masters({
+            group: self.cpu_plan.gather(group, self._weights, torch.empty(
+                n, dtype=self.model_dtype, device=self.device)).cpu()
+            for group, n in self.cpu_plan.sizes.items()})
 
     def _move_states(self, old_gpu: Plan, old_cpu: Plan) -> None:
         """Moves every state element to its side under the new plans, one kind at a time."""
+        if isinstance(self.cpu, TieredCpuSide):
+            raise UsageError("re-selection with ZenFlow's CPU side in the offload tiers is not "
+                             "supported; set --zenflow-select-interval to at least "
+                             "--train-iters")
         groups = sorted({s.group for s in self.shards})
         new_cpu_sizes = dict(self.cpu_plan.sizes)
         cpu_new: Dict[str, Dict[int, torch.Tensor]] = {}
@@ -307,8 +316,9 @@ class ZenFlowEngine:
             return
         for group in self.gpu_plan.sizes:
             self.gpu_plan.scatter(group, self.gpu["master"][group], self._weights)
+        self.cpu.masters_to_upload()
         for group in self.cpu_plan.sizes:
-            values = self.cpu.master[group].to(self.device)
+            values = self.cpu.upload[group].to(self.device)
             self.cpu_plan.scatter(group, values, self._weights)
 
     def state_dict(self) -> dict:
@@ -325,7 +335,7 @@ class ZenFlowEngine:
             "gpu_steps": self.gpu_steps,
             "cpu_steps": self.cpu.steps,
             "gpu": {k: {g: t.cpu() for g, t in v.items()} for k, v in self.gpu.items()},
-            "cpu": {k: dict(getattr(self.cpu, k)) for k in KINDS},
+            "cpu": {k: dict(v) for k, v in self.cpu.states().items()},
             "acc": [dict(a) for a in self.cpu.acc],
             "acc_steps": list(self.cpu.acc_steps),
             "upload_pending": self.upload_pending,
@@ -334,8 +344,12 @@ class ZenFlowEngine:
         })
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restores :meth:`state_dict` (same layout)."""
+    def load_state_dict(self, state: dict, load_cpu_states: Optional[Callable] = None) -> None:
+        """Restores :meth:`state_dict` (same layout).
+
+        ``load_cpu_states`` restores the CPU side's states kept elsewhere (the offload
+        engine's files), after the side has been rebuilt for the saved selection.
+        """
         self.schedule.load_state_dict(state["schedule"])
         if not state["initialized"]:
             return
@@ -346,17 +360,18 @@ class ZenFlowEngine:
                     for k, v in state["gpu"].items()}
         self.cpu.resize(self.cpu_plan.sizes)
         self.cpu.steps = state["cpu_steps"]
-        for kind in KINDS:
-            for group, tensor in state["cpu"][kind].items():
+        for kind, saved in state["cpu"].items():
+            for group, tensor in saved.items():
                 getattr(self.cpu, kind)[group].copy_(tensor)
+        if load_cpu_states is not None:
+            load_cpu_states()
         for mine, saved in zip(self.cpu.acc, state["acc"]):
             for group, tensor in saved.items():
                 mine[group].copy_(tensor)
         self.cpu.acc_steps = list(state["acc_steps"])
         self.upload_pending = state["upload_pending"]
         if self.upload_pending:
-            for group, master in self.cpu.master.items():
-                self.cpu.upload[group].copy_(master)
+            self.cpu.masters_to_upload()
         self.selected_ratio = state["selected_ratio"]
         self.retention = state["retention"]
 
@@ -368,8 +383,7 @@ class ZenFlowEngine:
 
     def host_state_bytes(self) -> int:
         """fp32 states and accumulators in host memory."""
-        stores = [self.cpu.master, self.cpu.exp_avg, self.cpu.exp_avg_sq, *self.cpu.acc]
-        return sum(t.numel() * t.element_size() for s in stores for t in s.values())
+        return self.cpu.host_bytes()
 
     def metrics(self) -> Dict[str, float]:
         """``zenflow/*`` per-step means since the last call."""
@@ -390,6 +404,7 @@ class ZenFlowEngine:
             "zenflow/device_state_gib": self.device_state_bytes() / 2**30,
             "zenflow/host_state_gib": self.host_state_bytes() / 2**30,
         }
+        record.update(self.cpu.metrics())
         self._reset_stats()
         return record
 
@@ -403,12 +418,26 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
 
     state_prefix = "zenflow"
 
-    def __init__(self, *args, zenflow_config: ZenFlowConfig, rank: int, **kwargs):
+    def __init__(self, *args, zenflow_config: ZenFlowConfig, rank: int, offload=None, **kwargs):
         super().__init__(*args, **kwargs)
         from megatron.core import parallel_state
 
         self.rank = rank
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        make_cpu_engine = None
+        if offload is not None:
+            offload_config, run_id, tiers = offload
+
+            def make_cpu_engine(params):
+                from megatron_ext.offload.engine import OffloadEngine
+
+                engine = OffloadEngine(offload_config, params, rank=rank,
+                                       device=torch.device("cpu"), tiers=tiers, run_id=run_id,
+                                       model_dtype=self.model_dtype, grad_dtype=torch.float32)
+                # On GPU machines the CPU side takes torch's fused CPU Adam (see
+                # cpu_worker.adam_update); on a CPU-only run, the reference implementation.
+                engine.fused_adam = self.device.type == "cuda"
+                return engine
         self.engine = ZenFlowEngine(
             zenflow_config, self.shards, device=self.device, model_dtype=self.model_dtype,
             grad_dtype=self.grad_dtype, dp_group=self.data_parallel_group,
@@ -416,7 +445,8 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
             stats_group=self.get_grad_stats_parallel_group(),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp_size,
             all_params=[p for chunk in self.model_chunks for p in chunk.parameters()
-                        if p.requires_grad])
+                        if p.requires_grad],
+            make_cpu_engine=make_cpu_engine)
 
     def _update(self) -> None:
         self.engine.step(self.optimizer.param_groups, self._inv_scale, self._clip_coeff)
@@ -450,6 +480,12 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        cpu_engine = getattr(self.engine.cpu, "engine", None)
+        if cpu_engine is not None:
+            cpu_engine.save(self._offload_dir(checkpoint_dir), self.layout())
+
+    def _offload_dir(self, checkpoint_dir: str) -> str:
+        return os.path.join(checkpoint_dir, "zenflow", "offload")
 
     def load_external_state(self, checkpoint_dir: str) -> None:
         """Restores :meth:`save_external_state`'s file; refuses another layout."""
@@ -471,7 +507,12 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
         if loaded is not None and loaded != state["schedule"]["step"]:
             raise UsageError(f"{path}: ZenFlow state of step {state['schedule']['step']} but "
                              f"the checkpoint's optimizer of step {loaded}: inconsistent")
-        self.engine.load_state_dict(state)
+
+        def load_cpu_states():
+            cpu_engine = getattr(self.engine.cpu, "engine", None)
+            if cpu_engine is not None:
+                cpu_engine.load(self._offload_dir(checkpoint_dir), self.layout())
+        self.engine.load_state_dict(state, load_cpu_states)
 
     def metrics(self) -> Dict[str, float]:
         """The engine's ``zenflow/*`` metrics since the last call."""
@@ -482,6 +523,16 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
         self.engine.close()
 
 
-def zenflow_optimizer(cfg: ZenFlowConfig, rank: int):
-    """Within the block, megatron-core's optimizer factory builds the ZenFlow optimizer."""
-    return bound_distributed_optimizer(ZenFlowOptimizer, zenflow_config=cfg, rank=rank)
+def zenflow_optimizer(cfg: ZenFlowConfig, rank: int, offload_config=None):
+    """Within the block, megatron-core's optimizer factory builds the ZenFlow optimizer.
+
+    With ``offload_config`` (``--offload-optimizer``), the CPU side keeps its states in
+    the offload engine's host cache and tier paths.
+    """
+    offload = None
+    if offload_config is not None and offload_config.offload_optimizer:
+        from megatron_ext.offload.optimizer import offload_setup
+
+        offload = (offload_config, *offload_setup(offload_config, rank))
+    return bound_distributed_optimizer(ZenFlowOptimizer, zenflow_config=cfg, rank=rank,
+                                       offload=offload)

@@ -33,6 +33,18 @@ ALL_SELECTED = [*ZENFLOW, "--zenflow-topk-ratio", "1.0", "--zenflow-update-inter
 ALL_WARMUP = [*ZENFLOW, "--zenflow-topk-ratio", "0.3", "--zenflow-full-warmup-steps",
               str(ITERS), "--zenflow-select-interval", "4"]
 ASYNC = [*ZENFLOW, "--zenflow-select-interval", "8"]
+# No re-selection (the mode of the CPU side in the offload tiers).
+FIXED = [*ZENFLOW, "--zenflow-select-interval", str(ITERS)]
+
+
+def tier_flags(tmp_path) -> list:
+    """Two tier paths, subgroups of 10k elements, three of them in the host cache."""
+    dirs = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir(exist_ok=True)
+        dirs.append(f"{tmp_path / f'tier{i}'}@{2 - i},1")
+    return ["--offload-optimizer", "--offload-paths", *dirs, "--offload-subgroup-size", "10000",
+            "--offload-host-cache-gb", "0.00036"]
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +140,26 @@ def test_plain_checkpoint_without_finetune_is_one_line_error(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "--finetune" in lines[0], result.stdout[-3000:]
     assert "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, precision):
+    """The CPU side's master and moments in the offload engine (host cache + two paths):
+    the same losses as with them in host memory, bit for bit, and they did use the paths."""
+    flags = [*FIXED, *precision_flags(precision)]
+    memory = run_zenflow(tmp_path, flags, name="memory.jsonl")
+    tiers = run_zenflow(tmp_path, [*flags, *tier_flags(tmp_path)], name="tiers.jsonl")
+    assert train_losses(tiers) == train_losses(memory)
+    records = read_metrics(tiers)
+    for path in (0, 1):
+        assert sum(r.get(f"offload/path{path}_write_bytes", 0) for r in records) > 0
+        assert sum(r.get(f"offload/path{path}_read_bytes", 0) for r in records) > 0
+
+
+def test_cpu_side_in_offload_tiers_resume_is_exact(tmp_path):
+    flags = [*BASE, *FIXED, "--bf16", *tier_flags(tmp_path)]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=6)
+    assert losses_of(resumed) == losses_of(straight)
+    manifest = tmp_path / "ckpt" / "iter_0000006" / "zenflow" / "offload" / "rank00000"
+    assert (manifest / "manifest.json").is_file()
+

@@ -205,7 +205,61 @@ def test_direct_io_falls_back_where_refused(tmp_path, monkeypatch):
         assert torch.equal(_bits(out), _bits(payload))
     assert not io.direct_io_active
     assert len(direct_opens) == 1
-    assert os.listdir(tmp_path) == ["sg.state"]
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".spare-")] == ["sg.state"]
+
+
+def _write_and_check(io, path, step, n=1000):
+    payload = _payload(n) + step
+    io.write(path, payload, elements=n, step=step, **ID)
+    out = torch.empty(3 * n)
+    assert io.read(path, out, elements=n, **ID) == step
+    assert torch.equal(_bits(out), _bits(payload))
+    return os.stat(path).st_ino
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_replaced_files_are_recycled(tmp_path, direct):
+    """The file a write replaces becomes a spare, and a later write of that size
+    overwrites it instead of allocating a new file; never more than SPARES_PER_SIZE."""
+    io = StateFileIO(direct_io=direct, threads=4)
+    path = str(tmp_path / "sg.state")
+    inodes = [_write_and_check(io, path, step) for step in range(1, 7)]
+    assert inodes[2] == inodes[0] and inodes[3] == inodes[1] and inodes[4] == inodes[0]
+    spares = [n for n in os.listdir(tmp_path) if n.startswith(".spare-")]
+    assert len(spares) == 1
+    other = str(tmp_path / "other.state")  # same size: shares the spares of the directory
+    for step in range(1, 4):
+        _write_and_check(io, other, step)
+    spares = [n for n in os.listdir(tmp_path) if n.startswith(".spare-")]
+    assert 1 <= len(spares) <= oio.SPARES_PER_SIZE
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_a_checkpoint_link_is_never_overwritten(tmp_path):
+    io = StateFileIO(direct_io=False, threads=4)
+    path = str(tmp_path / "sg.state")
+    _write_and_check(io, path, 1)
+    saved = tmp_path / "checkpoint.state"
+    os.link(path, saved)
+    before = saved.read_bytes()
+    for step in range(2, 8):
+        _write_and_check(io, path, step)
+    assert saved.read_bytes() == before
+    assert os.stat(saved).st_nlink == 1
+
+
+def test_a_symlink_under_a_spare_name_is_not_followed(tmp_path):
+    io = StateFileIO(direct_io=False, threads=4)
+    path = str(tmp_path / "sg.state")
+    _write_and_check(io, path, 1)
+    size = os.stat(path).st_size
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * size)
+    os.symlink(victim, tmp_path / f".spare-{size}-planted")
+    for step in range(2, 5):
+        _write_and_check(io, path, step)
+    assert victim.read_bytes() == b"x" * size
+    assert not (tmp_path / f".spare-{size}-planted").exists()
 
 
 def test_trace(tmp_path):
