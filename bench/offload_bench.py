@@ -160,6 +160,17 @@ def run_config(name: str, a, bandwidth: dict) -> dict:
     return result
 
 
+def last_json(lines) -> "dict | None":
+    """The JSON object on the last line that starts with ``{`` (the DeepSpeed bundle's summary)."""
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
 def run_deepspeed(a) -> dict:
     """DeepSpeed ZeRO-Infinity (peer bundle) on the same model and disk."""
     nvme = os.path.join(a.disk, "deepspeed-swap")
@@ -174,13 +185,9 @@ def run_deepspeed(a) -> dict:
     lines = output.strip().splitlines()
     result = {"config": "deepspeed-nvme", "command": " ".join(cmd), "returncode": returncode,
               "peak_rss_gib": peak_rss, "tail": lines[-30:]}
-    for line in reversed(lines):
-        if line.startswith("{"):
-            try:
-                result["json"] = json.loads(line)
-            except json.JSONDecodeError:
-                pass
-            break
+    summary = last_json(lines)
+    if summary is not None:
+        result["json"] = summary
     print("\n".join(lines[-6:]), flush=True)
     return result
 

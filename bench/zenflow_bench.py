@@ -86,7 +86,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from offload_bench import run_measured  # noqa: E402
+from offload_bench import last_json, run_measured  # noqa: E402
 from pretrain_bench import REFERENCE, summarize  # noqa: E402
 
 CONFIGS = ("no-offload", "mcore-offload", "host-only", "zenflow", "deepspeed-zero-offload",
@@ -239,13 +239,9 @@ def run_deepspeed(name: str, a, shape: dict) -> dict:
         result["losses"] = [float(loss) for _, _, loss in steps]
         result["final_loss"] = result["losses"][-1]
         result["step_times_s"] = [float(ms) / 1e3 for _, ms, _ in steps]
-    for line in reversed(lines):
-        if line.startswith("{"):
-            try:
-                result["json"] = json.loads(line)
-            except json.JSONDecodeError:
-                pass
-            break
+    summary = last_json(lines)
+    if summary is not None:
+        result["json"] = summary
     ds = result.get("json")
     if returncode == 0 and ds and len(ds.get("step_times_s", [])) == a.windows * a.interval:
         times = ds["step_times_s"]

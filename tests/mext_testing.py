@@ -88,6 +88,22 @@ def precision_flags(precision: str) -> List[str]:
     return {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision]
 
 
+def baseline_losses(tmp_path_factory, base: Sequence[str]):
+    """A function: precision -> losses of the plain distributed optimizer on ``base``.
+
+    Each precision runs once (use it in a module-scoped fixture).
+    """
+    cache = {}
+
+    def get(precision: str):
+        if precision not in cache:
+            out = tmp_path_factory.mktemp("baseline") / "m.jsonl"
+            run_pretrain([*base, *precision_flags(precision), "--metrics-path", str(out)])
+            cache[precision] = train_losses(out)
+        return cache[precision]
+    return get
+
+
 def straight_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: int = 1,
                          load_flags: Sequence[str] = ()) -> tuple:
     """Runs ``flags`` straight, and again stopped by --exit-interval ``stop_at`` + --load.

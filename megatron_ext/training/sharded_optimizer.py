@@ -34,7 +34,7 @@ class Shard:
     start: int
     """First element of the parameter (flattened) that this rank owns."""
     end: int
-    counts_in_norm: bool
+    counts_in_norm: bool = True
     """False for shared and tensor-parallel duplicate parameters (megatron-core's rule)."""
 
     @property

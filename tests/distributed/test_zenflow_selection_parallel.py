@@ -16,7 +16,6 @@ brute force (``top_columns`` of the whole matrix's column sums of squares) is a 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_ext.training.sharded_optimizer import Shard
 from megatron_ext.zenflow.selection import (
     column_energy,
     global_importance,
@@ -44,27 +44,6 @@ MATRICES = {
     "fc2": ((5, 14), 1),
 }
 WORLD = 2
-
-
-@dataclasses.dataclass
-class FakeShard:
-    """The attributes and methods of sharded_optimizer.Shard that selection.py uses."""
-
-    model_param: torch.Tensor
-    group: int
-    start: int
-    end: int
-    counts_in_norm: bool = True
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    def grad(self) -> torch.Tensor:
-        return self.model_param.main_grad.view(-1)[self.start:self.end]
-
-    def weights(self) -> torch.Tensor:
-        return self.model_param.detach().view(-1)[self.start:self.end]
 
 
 def full_grads() -> dict:
@@ -115,7 +94,7 @@ def dp_shards(grads: dict, rank: int) -> tuple:
         start, end = (0, cut) if rank == 0 else (cut, rows * cols)
         params.append(param_of(grad))
         if end > start:
-            shards.append(FakeShard(params[-1], 0, start, end))
+            shards.append(Shard(params[-1], 0, start, end))
     return shards, params
 
 
@@ -124,7 +103,7 @@ def tp_shards(grads: dict, rank: int) -> list:
     for name, grad in grads.items():
         dim = MATRICES[name][1]
         local = grad if dim is None else grad.chunk(WORLD, dim=dim)[rank].contiguous()
-        shards.append(FakeShard(param_of(local, dim), 0, 0, local.numel()))
+        shards.append(Shard(param_of(local, dim), 0, 0, local.numel()))
     return shards
 
 
@@ -179,7 +158,7 @@ def test_selection_is_the_same_at_dp1_dp2_tp2_and_equals_brute_force(tmp_path):
     assert any(len(set((g.double() ** 2).sum(0).tolist())) < g.shape[1] for g in grads.values())
 
     # DP=1: one process, no group; the whole matrix is the shard.
-    shards = [FakeShard(param_of(g), 0, 0, g.numel()) for g in grads.values()]
+    shards = [Shard(param_of(g), 0, 0, g.numel()) for g in grads.values()]
     matrices, selected = select(shards)
     assert [m.tp_mode for m in matrices] == ["none"] * len(grads)
     assert dict(zip(grads, (s.tolist() for s in selected))) == expected

@@ -18,6 +18,7 @@ import pytest
 
 from mext_testing import (
     TINY,
+    baseline_losses,
     launch,
     losses_of,
     precision_flags,
@@ -51,15 +52,7 @@ def path_flags(tmp_path: Path, count: int) -> list:
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """Losses of the plain distributed optimizer, per precision (computed once)."""
-    cache = {}
-
-    def get(precision: str):
-        if precision not in cache:
-            out = tmp_path_factory.mktemp("baseline") / "m.jsonl"
-            run_pretrain([*BASE, *precision_flags(precision), "--metrics-path", str(out)])
-            cache[precision] = train_losses(out)
-        return cache[precision]
-    return get
+    return baseline_losses(tmp_path_factory, BASE)
 
 
 def run_offload(tmp_path, flags, env=None, name="offload.jsonl", check=True):

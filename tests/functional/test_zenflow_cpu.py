@@ -15,6 +15,7 @@ import pytest
 from mext_testing import (
     TINY,
     assert_loss_falls,
+    baseline_losses,
     losses_of,
     precision_flags,
     read_metrics,
@@ -50,15 +51,7 @@ def tier_flags(tmp_path) -> list:
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """Losses of the plain distributed optimizer, per precision (computed once)."""
-    cache = {}
-
-    def get(precision: str):
-        if precision not in cache:
-            out = tmp_path_factory.mktemp("baseline") / "m.jsonl"
-            run_pretrain([*BASE, *precision_flags(precision), "--metrics-path", str(out)])
-            cache[precision] = train_losses(out)
-        return cache[precision]
-    return get
+    return baseline_losses(tmp_path_factory, BASE)
 
 
 def run_zenflow(tmp_path, flags, name="zenflow.jsonl", **kwargs):

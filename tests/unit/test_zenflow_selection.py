@@ -11,13 +11,13 @@ moving the values there and back exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
 import pytest
 import torch
 
+from megatron_ext.training.sharded_optimizer import Shard
 from megatron_ext.zenflow.selection import (
     build_plans,
     column_energy,
@@ -27,36 +27,15 @@ from megatron_ext.zenflow.selection import (
 )
 
 
-@dataclasses.dataclass
-class FakeShard:
-    """The attributes and methods of sharded_optimizer.Shard that selection.py uses."""
-
-    model_param: torch.Tensor
-    group: int
-    start: int
-    end: int
-    counts_in_norm: bool = True
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    def grad(self) -> torch.Tensor:
-        return self.model_param.main_grad.view(-1)[self.start:self.end]
-
-    def weights(self) -> torch.Tensor:
-        return self.model_param.detach().view(-1)[self.start:self.end]
-
-
 def int_tensor(shape, gen, low=-5, high=6) -> torch.Tensor:
     """Integer-valued float32 (every sum of squares below is exact)."""
     return torch.randint(low, high, shape, generator=gen).float()
 
 
-def fake_shard(shape, group, start, end, gen) -> FakeShard:
+def fake_shard(shape, group, start, end, gen) -> Shard:
     param = int_tensor(shape, gen)
     param.main_grad = int_tensor(shape, gen)
-    return FakeShard(param, group, start, end)
+    return Shard(param, group, start, end)
 
 
 # ---------------------------------------------------------------- segments
@@ -132,7 +111,7 @@ def test_column_energy_over_a_dp_split_is_the_whole_column_energy(shape):
         for start, end in zip(bounds, bounds[1:]):
             param = torch.zeros(shape)
             param.main_grad = grad
-            shard = FakeShard(param, 0, start, end)
+            shard = Shard(param, 0, start, end)
             matrices = matrices_of([shard])[1]
             if start == end:
                 assert matrices == []
