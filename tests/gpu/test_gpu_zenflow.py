@@ -47,3 +47,19 @@ def test_zenflow_resume_on_cuda(tmp_path):
     flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8"]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=6)
     assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)
+
+
+def test_zenflow_cpu_side_in_offload_tiers_on_cuda(tmp_path):
+    """The CPU side's states in the offload engine (fused CPU Adam there too): the same
+    losses as with them in host memory."""
+    tiers = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir()
+        tiers.append(f"{tmp_path / f'tier{i}'}@{2 - i},1")
+    flags = [*BASE, "--zenflow", "--zenflow-select-interval", "20"]
+    memory, offload = tmp_path / "memory.jsonl", tmp_path / "offload.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(memory)])
+    run_pretrain([*flags, "--offload-optimizer", "--offload-paths", *tiers,
+                  "--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036",
+                  "--offload-direct-io", "--metrics-path", str(offload)])
+    assert losses_of(read_metrics(offload)) == losses_of(read_metrics(memory))
