@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Convergence of ZenFlow selective updates vs plain Adam when fine-tuning a small GPT.
+r"""Convergence of ZenFlow selective updates vs plain Adam when fine-tuning a small GPT.
 
 What it runs (every step is a ``pretrain_gpt.py`` or ``tools/*.py`` subprocess with
 ``OMP_NUM_THREADS=--threads`` and ``WANDB_MODE=disabled``; ``--device cpu`` by default):
@@ -32,6 +32,9 @@ What it runs (every step is a ``pretrain_gpt.py`` or ``tools/*.py`` subprocess w
 What it reports, in ``--output-dir``:
 
 * ``results.json``: the date, the machine, every exact command line, data and model sizes,
+  the code each run ran (git HEAD, uncommitted files, a hash of ``megatron_ext/`` and
+  ``pretrain_gpt.py`` on disk, and whether it changed while the run ran: the working tree
+  may be shared; ``code_consistent`` is false, with a warning, when the runs differ),
   per run the final validation loss (``eval/lm_loss`` at the last iteration), wall time,
   median step time and the curves: training ``lm_loss`` per iteration, validation loss per
   evaluation and, for ZenFlow, ``zenflow/rho`` (share of the gradient energy in the delayed
@@ -47,9 +50,11 @@ What it reports, in ``--output-dir``:
   the per-seed paired differences); the pretrained model's loss before fine-tuning as a
   reference row.
 
-Example (about 25-35 minutes on a 2-core CPU)::
+Example (about 17 minutes on a 2-core CPU; ``--code-snapshot HEAD`` runs the committed code,
+immune to edits of the working tree during the benchmark)::
 
-    python bench/zenflow_convergence.py --output-dir bench/results/zenflow-convergence-2026-11-30
+    python bench/zenflow_convergence.py --code-snapshot HEAD \
+        --output-dir bench/results/zenflow-convergence-2026-11-30
     python bench/zenflow_convergence.py --dry-run      # print the commands only
 """
 
@@ -57,6 +62,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
+import hashlib
 import json
 import math
 import os
@@ -70,7 +77,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS_DIR = os.path.join(REPO_ROOT, "tools")
+# The code that the subprocesses run: the working tree, or a --code-snapshot of a commit.
+CODE_ROOT = REPO_ROOT
 METHODS = ("adam", "zenflow")
 
 
@@ -89,6 +97,61 @@ def _load_average() -> Optional[List[float]]:
         return None
 
 
+def _git(*args) -> Optional[str]:
+    """A read-only git command in the repository; None if it fails."""
+    # --no-optional-locks: `git status` writes no index refresh.
+    try:
+        return subprocess.run(["git", "--no-optional-locks", *args], cwd=REPO_ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def code_snapshot(rev: str, work_dir: str) -> str:
+    """Extracts ``git archive <rev>`` under ``work_dir`` (reused if there); returns its path.
+
+    The subprocesses then run that commit's code, whatever happens to the working tree
+    (which other people may be editing) during the benchmark.
+    """
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    if not commit:
+        sys.exit(f"error: --code-snapshot {rev}: not a commit of {REPO_ROOT}")
+    root = os.path.join(work_dir, f"code-{commit[:12]}")
+    if not os.path.exists(os.path.join(root, "pretrain_gpt.py")):
+        os.makedirs(root, exist_ok=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=REPO_ROOT,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+        with open(os.path.join(root, "SNAPSHOT_COMMIT"), "w", encoding="utf-8") as stream:
+            stream.write(commit + "\n")
+    _log(f"code: snapshot of {commit} in {root}")
+    return root
+
+
+def code_fingerprint() -> dict:
+    """The training code as it is on disk now: its commit, uncommitted files, a content hash.
+
+    The working tree may be shared with other people's edits: a run records this before
+    and after, so that a change of the code in the middle of the benchmark shows.
+    """
+    files = sorted(glob.glob(os.path.join(CODE_ROOT, "megatron_ext", "**", "*.py"),
+                             recursive=True)) + [os.path.join(CODE_ROOT, "pretrain_gpt.py")]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(os.path.relpath(path, CODE_ROOT).encode())
+        with open(path, "rb") as stream:
+            digest.update(stream.read())
+    snapshot = os.path.join(CODE_ROOT, "SNAPSHOT_COMMIT")
+    if os.path.exists(snapshot):
+        with open(snapshot, encoding="utf-8") as stream:
+            return {"code_root": CODE_ROOT, "git_head": stream.read().strip(),
+                    "source_sha256": digest.hexdigest()[:16], "uncommitted": []}
+    status = _git("status", "--porcelain", "--", "megatron_ext", "pretrain_gpt.py")
+    return {"code_root": CODE_ROOT, "git_head": _git("rev-parse", "HEAD"),
+            "source_sha256": digest.hexdigest()[:16],
+            "uncommitted": status.splitlines() if status else []}
+
+
 def _finite_or_none(value):
     """JSON has no NaN: a missing or NaN number becomes null."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -105,32 +168,37 @@ class Runner:
 
     def tool(self, name: str, args: Sequence, log_path: str) -> None:
         """Runs ``python tools/<name> args``; exits with its output if it fails."""
-        command = [sys.executable, os.path.join(TOOLS_DIR, name), *[str(a) for a in args]]
+        command = [sys.executable, os.path.join(CODE_ROOT, "tools", name), *[str(a) for a in args]]
         proc = self.run(command, log_path)
         if proc is not None and proc["returncode"] != 0:
             sys.exit(f"error: {_quote(command)} exited with {proc['returncode']}:\n"
                      f"{proc['tail']}")
 
     def run(self, command: Sequence[str], log_path: str) -> Optional[dict]:
-        """Runs ``command`` in the repository root, its output to ``log_path``.
+        """Runs ``command`` in the code's root directory, its output to ``log_path``.
 
         Returns:
             ``None`` with ``--dry-run``; else the exit status, the wall time, the load
-            average before and after, and the last 40 lines of the output.
+            average before and after, the last 40 lines of the output, the code fingerprint at
+            the start and whether the code changed on disk while it ran.
         """
         if self.dry_run:
             print(_quote(command))
             return None
         load_before = _load_average()
+        code_before = code_fingerprint()
         start = time.monotonic()
         with open(log_path, "w", encoding="utf-8") as out:
-            returncode = subprocess.run(command, cwd=REPO_ROOT, env=self.env, stdout=out,
+            returncode = subprocess.run(command, cwd=CODE_ROOT, env=self.env, stdout=out,
                                         stderr=subprocess.STDOUT).returncode
         wall = time.monotonic() - start
         with open(log_path, encoding="utf-8", errors="replace") as stream:
             tail = "".join(stream.readlines()[-40:])
+        code_after = code_fingerprint()
         return {"returncode": returncode, "wall_s": round(wall, 1), "load_before": load_before,
-                "load_after": _load_average(), "tail": tail}
+                "load_after": _load_average(), "tail": tail, "code": code_before,
+                "code_changed_during_run": code_after["source_sha256"]
+                != code_before["source_sha256"]}
 
 
 def model_args(a) -> List[str]:
@@ -178,7 +246,7 @@ def build_data(a, runner: Runner) -> Dict[str, dict]:
     }
     commands = {}
     for name, (product, tool, args) in steps.items():
-        command = [sys.executable, os.path.join(TOOLS_DIR, tool), *[str(x) for x in args]]
+        command = [sys.executable, os.path.join(CODE_ROOT, "tools", tool), *[str(x) for x in args]]
         reused = os.path.exists(product) and os.path.getsize(product) > 0
         commands[name] = {"command": _quote(command), "reused": reused}
         if reused:
@@ -227,7 +295,7 @@ def pretrain(a, runner: Runner) -> dict:
     w = a.work_dir
     save = os.path.join(w, "pretrain", "checkpoints")
     metrics = os.path.join(w, "pretrain", "metrics.jsonl")
-    command = [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *map(str, [
+    command = [sys.executable, os.path.join(CODE_ROOT, "pretrain_gpt.py"), *map(str, [
         *model_args(a), "--train-iters", a.pretrain_iters, "--lr", a.pretrain_lr,
         "--min-lr", a.pretrain_lr / 10, "--lr-warmup-iters", max(1, a.pretrain_iters // 15),
         "--lr-decay-style", "cosine", "--seed", 1234,
@@ -245,6 +313,10 @@ def pretrain(a, runner: Runner) -> dict:
         if same and done:
             _log(f"pretraining: reusing {save}")
             result["reused"] = True
+            with open(stamp, encoding="utf-8") as stream:
+                made = json.load(stream)
+            result["code"] = made.get("code")  # the code that made the checkpoint
+            result["code_changed_during_run"] = made.get("code_changed_during_run")
             result.update(_pretrain_summary(metrics))
             return result
     _log(f"pretraining: {a.pretrain_iters} iterations")
@@ -255,12 +327,14 @@ def pretrain(a, runner: Runner) -> dict:
     proc = runner.run(command, os.path.join(w, "pretrain", "stdout.log"))
     if proc is None:
         return result
-    result.update({k: proc[k] for k in ("returncode", "wall_s", "load_before", "load_after")})
+    result.update({k: proc[k] for k in ("returncode", "wall_s", "load_before", "load_after",
+                                        "code", "code_changed_during_run")})
     if proc["returncode"] != 0:
         sys.exit(f"error: pretraining failed ({proc['returncode']}):\n{_quote(command)}\n"
                  f"{proc['tail']}")
     with open(stamp, "w", encoding="utf-8") as stream:
-        json.dump({"command": command}, stream)
+        json.dump({"command": command, "code": proc["code"],
+                   "code_changed_during_run": proc["code_changed_during_run"]}, stream)
     result["reused"] = False
     result.update(_pretrain_summary(metrics))
     _log(f"pretraining: done in {proc['wall_s']} s, final validation loss "
@@ -302,7 +376,7 @@ def finetune_command(a, method: str, seed: int, run_dir: str, eval_iters: int) -
                  "--zenflow-update-interval", a.zenflow_update_interval,
                  "--zenflow-select-interval", a.zenflow_select_interval,
                  "--zenflow-full-warmup-steps", a.zenflow_full_warmup_steps]
-    return [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *map(str, args)]
+    return [sys.executable, os.path.join(CODE_ROOT, "pretrain_gpt.py"), *map(str, args)]
 
 
 def baseline_all(a, runner: Runner, eval_iters: int) -> List[dict]:
@@ -334,6 +408,8 @@ def baseline_all(a, runner: Runner, eval_iters: int) -> List[dict]:
         records = _read_metrics(metrics) if os.path.exists(metrics) else []
         evals = [r for r in records if "eval/lm_loss" in r]
         entry.update({"returncode": proc["returncode"], "wall_s": proc["wall_s"],
+                      "code": proc["code"],
+                      "code_changed_during_run": proc["code_changed_during_run"],
                       "eval_loss": _finite_or_none(evals[-1]["eval/lm_loss"]) if evals else None})
         if entry["eval_loss"] is None:
             entry["error"] = proc["tail"]
@@ -382,7 +458,7 @@ def finetune_all(a, runner: Runner, eval_iters: int) -> List[dict]:
             _log(f"fine-tuning: {method} seed {seed}")
             proc = runner.run(command, os.path.join(run_dir, "stdout.log"))
             run.update({k: proc[k] for k in ("returncode", "wall_s", "load_before",
-                                              "load_after")})
+                                              "load_after", "code", "code_changed_during_run")})
             metrics = os.path.join(run_dir, "metrics.jsonl")
             records = _read_metrics(metrics) if os.path.exists(metrics) else []
             run["curves"] = curves(records)
@@ -570,6 +646,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results.json and the PNGs (default: "
                         "bench/results/zenflow-convergence-<today>)")
     p.add_argument("--threads", type=int, default=2, help=f"OMP_NUM_THREADS of every step {d}")
+    p.add_argument("--code-snapshot", metavar="REV", default=None,
+                   help="run pretrain_gpt.py and tools/ from `git archive REV` extracted into "
+                        "the work dir, not from the working tree, so that edits to the "
+                        "working tree during the benchmark do not reach the runs (default: "
+                        "the working tree; a change during the benchmark is then detected "
+                        "and reported)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help=d)
     g = p.add_argument_group("data")
     g.add_argument("--stdlib-docs", type=int, default=1500,
@@ -615,8 +697,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs every step and writes the results; 1 when a fine-tuning run failed."""
+    global CODE_ROOT
     a = build_parser().parse_args(argv)
     a.work_dir = os.path.abspath(a.work_dir)
+    if a.code_snapshot:
+        os.makedirs(a.work_dir, exist_ok=True)
+        CODE_ROOT = code_snapshot(a.code_snapshot, a.work_dir)
     started = time.monotonic()
     date = datetime.datetime.now(datetime.timezone.utc)
     out_dir = a.output_dir or os.path.join(
@@ -646,6 +732,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     baseline = baseline_all(a, runner, eval_iters)
     runs = finetune_all(a, runner, eval_iters)
     summary = summarize(runs, a.methods, baseline)
+    # Every fine-tuning run (and iteration-0 evaluation) must have run the same code.
+    versions = {r["code"]["source_sha256"] for r in [*baseline, *runs] if r.get("code")}
+    changed = [r for r in [*baseline, *runs] if r.get("code_changed_during_run")]
+    code_consistent = len(versions) <= 1 and not changed
+    if not code_consistent:
+        _log(f"WARNING: the code under megatron_ext/ changed during the benchmark "
+             f"({len(versions)} versions, {len(changed)} run(s) changed while running): "
+             "the runs are not comparable; see code/code_changed_during_run in results.json")
     table = markdown_table(summary, a.methods)
     os.makedirs(out_dir, exist_ok=True)
     title = (f"{a.num_layers}-layer GPT (hidden {a.hidden_size}) pretrained "
@@ -670,6 +764,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "summary": summary,
         "table_markdown": table,
         "plots": [os.path.relpath(p, REPO_ROOT) for p in pngs],
+        "code_consistent": code_consistent,
+        "code_at_end": code_fingerprint(),
         "total_wall_s": round(time.monotonic() - started, 1),
     }
     path = os.path.join(out_dir, "results.json")
@@ -678,6 +774,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stream.write("\n")
     print(table)
     print(f"\nresults: {path}\nplots: {', '.join(pngs)}\ntotal: {result['total_wall_s']} s")
+    if not code_consistent:
+        print("WARNING: the code changed during the benchmark (see results.json)")
     failed = [r for r in runs if "error" in r]
     if failed:
         print(f"{len(failed)} run(s) failed: "
