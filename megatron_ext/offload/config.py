@@ -84,8 +84,15 @@ class OffloadConfig:
         if self.offload_paths:
             from megatron_ext.offload.tiers import parse_tier_spec
 
+            seen = {}
             for text in self.offload_paths:
                 path = parse_tier_spec(text).path
+                real = os.path.realpath(path)
+                if real in seen:
+                    raise UsageError(f"--offload-paths lists {seen[real]} and {path}, the same "
+                                     "directory: give each path once (two entries would split "
+                                     "its bandwidth)")
+                seen[real] = path
                 if not os.path.isdir(path):
                     raise UsageError(f"--offload-paths {path}: no such directory; create it (each "
                                      "job writes in its own subdirectory there)")

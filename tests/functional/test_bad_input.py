@@ -85,6 +85,9 @@ CASES = {
                                               "add --use-distributed-optimizer"),
     "offload path missing": (
         lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}/no-such-dir"], "no-such-dir"),
+    "offload path given twice": (
+        lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}@1,1", f"{d}/."],
+        "the same directory"),
     "offload bandwidth not a number": (
         lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}@fast,2"],
         "bandwidths must be positive numbers"),
