@@ -1,5 +1,7 @@
 """--zenflow with two processes (torchrun, gloo): DP=2 and TP=2 equal plain Adam where
-ZenFlow must (all columns selected; synchronous steps), and resume is exact at DP=2."""
+ZenFlow must (all columns selected; synchronous steps), and resume is exact at DP=2.
+(TP=2 resume goes through the same per-rank file; the engine's state round trip is
+tests/unit/test_zenflow_engine.py's.)"""
 
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ MODES = {
 }
 
 
-# Synchronous steps in every layout; all columns selected where the selection is split
-# the most (DP=2 cuts rows, TP=2 splits the columns of row-parallel weights).
+# Synchronous steps (both sides updated in the step, the selection all-reduced over DP or
+# TP and re-selected every 4 steps) in every layout; all columns selected (the GPU side
+# alone) where the selection is split the most, TP=2.
 CASES = [("dp2-bf16", "synchronous"), ("tp2-bf16", "synchronous"), ("dp2-fp32", "synchronous"),
-         ("dp2-bf16", "all-selected"), ("tp2-bf16", "all-selected")]
+         ("tp2-bf16", "all-selected")]
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +49,12 @@ def test_two_ranks_zenflow_equals_plain(tmp_path, plain_losses, layout, mode):
     assert train_losses(zenflow) == plain_losses(layout)
 
 
-@pytest.mark.parametrize("layout", ["dp2-bf16", "tp2-bf16"])
-def test_two_ranks_zenflow_resume_is_exact(tmp_path, layout):
-    flags = [*BASE, *LAYOUTS[layout], "--zenflow", "--zenflow-update-interval", "3",
+def test_two_ranks_zenflow_resume_is_exact_and_needs_the_same_layout(tmp_path):
+    flags = [*BASE, *LAYOUTS["dp2-bf16"], "--zenflow", "--zenflow-update-interval", "3",
              "--zenflow-select-interval", "6"]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=7, nproc=2)
     assert losses_of(resumed) == losses_of(straight)
-
-
-def test_other_layout_is_one_line_error(tmp_path):
-    flags = [*BASE, "--bf16", "--zenflow", "--zenflow-update-interval", "3"]
-    ckpt = tmp_path / "ckpt"
-    run_pretrain([*flags, "--train-iters", "3", "--save", str(ckpt)], nproc=2)
-    result = run_pretrain([*flags, "--load", str(ckpt)], nproc=1, check=False)
+    # The same checkpoint at one rank: the ZenFlow state is per rank and layout.
+    result = run_pretrain([*flags, "--load", str(tmp_path / "ckpt")], nproc=1, check=False)
     assert result.returncode != 0
     assert "another parallel layout" in result.stdout, result.stdout[-3000:]

@@ -116,19 +116,24 @@ def test_resume_is_exact(tmp_path, stop_at):
     assert (ckpt / "zenflow" / "rank00000.pt").is_file()
 
 
-def test_finetune_from_a_plain_checkpoint(tmp_path):
-    ckpt = tmp_path / "pretrained"
+@pytest.fixture(scope="module")
+def plain_checkpoint(tmp_path_factory):
+    """A checkpoint of the plain distributed optimizer after 4 iterations."""
+    ckpt = tmp_path_factory.mktemp("pretrained") / "ckpt"
     run_pretrain([*BASE, "--train-iters", "4", "--save", str(ckpt)])
+    return ckpt
+
+
+def test_finetune_from_a_plain_checkpoint(tmp_path, plain_checkpoint):
+    ckpt = plain_checkpoint
     out = run_zenflow(tmp_path, [*ASYNC, "--finetune", "--load", str(ckpt),
                                  "--train-iters", "8", "--save", str(tmp_path / "ft")])
     assert len(train_losses(out)) == 8
     assert (tmp_path / "ft" / "latest_checkpointed_iteration.txt").read_text() == "8"
 
 
-def test_plain_checkpoint_without_finetune_is_one_line_error(tmp_path):
-    ckpt = tmp_path / "pretrained"
-    run_pretrain([*BASE, "--train-iters", "4", "--save", str(ckpt)])
-    result = run_pretrain([*BASE, *ASYNC, "--load", str(ckpt)], check=False)
+def test_plain_checkpoint_without_finetune_is_one_line_error(plain_checkpoint):
+    result = run_pretrain([*BASE, *ASYNC, "--load", str(plain_checkpoint)], check=False)
     assert result.returncode == 2, result.stdout[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "--finetune" in lines[0], result.stdout[-3000:]

@@ -302,9 +302,9 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def finetune_env(run_dir: Path, pretrained: Path, **extra: str) -> Dict[str, str]:
-    """The tiny CPU configuration of finetune_zenflow.sbatch: 1 process (ZenFlow's column
-    selection does not yet run with DP > 1), windows of 2 steps, re-selection every 4."""
-    knobs = {"PRETRAINED": str(pretrained), "NPROC": "1", "LR": "1e-3",
+    """The tiny CPU configuration of finetune_zenflow.sbatch: 2 processes (DP=2: the
+    column selection all-reduces over both), windows of 2 steps, re-selection every 4."""
+    knobs = {"PRETRAINED": str(pretrained), "NPROC": "2", "LR": "1e-3",
              "TRAIN_ITERS": str(FT_ITERS), "ZENFLOW_UPDATE_INTERVAL": "2",
              "ZENFLOW_SELECT_INTERVAL": "4", "METRICS_PATH": str(run_dir / "metrics.jsonl")}
     return job_env(run_dir, **{**knobs, **extra})
@@ -337,14 +337,15 @@ def test_finetune_zenflow_job_finetunes_from_pretrained_then_resumes_from_save_d
     assert f"fine-tuning from {pretrained} (iteration {PRETRAIN_ITERS})" in log, why
     assert f"--finetune --load {pretrained} " in log and " --zenflow " in log, why
     assert f"loaded {pretrained}/iter_{PRETRAIN_ITERS:07d} (iteration 0," in log, why
-    assert "megatron_ext: cpu x1 " in log, why
+    assert "megatron_ext: cpu x2 (TP=1 PP=1 DP=2)" in log, why
     records = train_records(metrics)
     assert [r["iteration"] for r in records] == list(range(1, FT_ITERS + 1)), why
     for r in records:
         assert 0 <= r["zenflow/rho"] <= 1 and 0 < r["zenflow/selected_ratio"] <= 1, r
         assert r["zenflow/update_interval"] == 2, r
     assert read(save / "latest_checkpointed_iteration.txt").strip() == str(FT_ITERS), why
-    assert (save / f"iter_{FT_ITERS:07d}" / "zenflow" / "rank00000.pt").is_file(), why
+    for rank in (0, 1):
+        assert (save / f"iter_{FT_ITERS:07d}" / "zenflow" / f"rank{rank:05d}.pt").is_file(), why
     # The pretrained checkpoint is only read.
     assert sorted(p.name for p in pretrained.iterdir()) == \
         [f"iter_{PRETRAIN_ITERS:07d}", "latest_checkpointed_iteration.txt"]
