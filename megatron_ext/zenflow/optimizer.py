@@ -228,6 +228,11 @@ class ZenFlowEngine:
 
     def _select(self, first: bool) -> None:
         """Selects the columns from the current grads; builds or moves the states."""
+        if not first and isinstance(self.cpu, TieredCpuSide):
+            # The config refuses this combination; nothing has changed yet when it raises.
+            raise UsageError("re-selection with ZenFlow's CPU side in the offload tiers is not "
+                             "supported; set --zenflow-select-interval to at least "
+                             "--train-iters")
         local = [torch.zeros(m.cols, dtype=torch.float64, device=self.device)
                  for m in self.all_matrices]
         for m in self.matrices:
@@ -272,10 +277,6 @@ class ZenFlowEngine:
 
     def _move_states(self, old_gpu: Plan, old_cpu: Plan) -> None:
         """Moves every state element to its side under the new plans, one kind at a time."""
-        if isinstance(self.cpu, TieredCpuSide):
-            raise UsageError("re-selection with ZenFlow's CPU side in the offload tiers is not "
-                             "supported; set --zenflow-select-interval to at least "
-                             "--train-iters")
         groups = sorted({s.group for s in self.shards})
         new_cpu_sizes = dict(self.cpu_plan.sizes)
         cpu_new: Dict[str, Dict[int, torch.Tensor]] = {}
