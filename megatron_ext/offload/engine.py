@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch.optim.adam import adam
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.cache import HostCache
@@ -53,6 +52,7 @@ from megatron_ext.offload.tiers import (
     check_free_space,
     place_subgroups,
 )
+from megatron_ext.training.adamw import adam_update, unscale_and_clip
 
 log = logging.getLogger(__name__)
 
@@ -559,7 +559,7 @@ class OffloadEngine:
                 src = self.params[piece.param].grad().reshape(-1)
                 grads[piece.offset:piece.offset + piece.length].copy_(
                     src[piece.start:piece.start + piece.length])
-        _unscale_and_clip(grads, inv_scale, clip_coeff)
+        unscale_and_clip(grads, inv_scale, clip_coeff)
         return grads
 
     def _stage_fp32_grads(self, order, inv_scale, clip_coeff) -> None:
@@ -575,7 +575,7 @@ class OffloadEngine:
             for piece in sg.pieces:
                 src = self.params[piece.param].grad().reshape(-1)
                 part = src[piece.start:piece.start + piece.length].float()
-                _unscale_and_clip(part, inv_scale, clip_coeff)
+                unscale_and_clip(part, inv_scale, clip_coeff)
                 host[piece.offset:piece.offset + piece.length].copy_(part)
             if self.tiers and index not in self.cache:
                 self._write(index, host, kind="grad")
@@ -592,17 +592,9 @@ class OffloadEngine:
         t1 = time.perf_counter()
         master, exp_avg, exp_avg_sq = buffer[:n], buffer[n:2 * n], buffer[2 * n:3 * n]
         for group, offset, length in sg.runs:
-            hp = hparams[group]
             span = slice(offset, offset + length)
-            beta1, beta2 = hp["betas"]
-            # A fresh step tensor: adam() increments it before use, like each parameter's
-            # own step in torch's AdamW.
-            adam([master[span]], [grads[span]], [exp_avg[span]], [exp_avg_sq[span]], [],
-                 [torch.tensor(float(self.step_count - 1))], foreach=False,
-                 fused=self.fused_adam or None, capturable=False, differentiable=False,
-                 has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
-                 weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
-                 decoupled_weight_decay=True)
+            adam_update(master[span], grads[span], exp_avg[span], exp_avg_sq[span],
+                        self.step_count, hparams[group], fused=self.fused_adam)
         self.version[index] = self.step_count
         t2 = time.perf_counter()
         self._write_back(index, master, slot)
@@ -777,15 +769,6 @@ class OffloadEngine:
                 with contextlib.suppress(OSError):
                     os.rmdir(os.path.dirname(directory))
         self.locks.close()
-
-
-def _unscale_and_clip(grads: torch.Tensor, inv_scale, clip_coeff) -> None:
-    # The same two multiplications, in the same order, as megatron-core applies to its
-    # fp32 main grads (unscale, then clip), so the results match bit for bit.
-    if inv_scale is not None:
-        grads.mul_(inv_scale)
-    if clip_coeff is not None:
-        grads.mul_(clip_coeff)
 
 
 def _user() -> str:

@@ -272,15 +272,3 @@ def bound_distributed_optimizer(cls, **kwargs):
     finally:
         mcore_optimizer.DistributedOptimizer = original
 
-
-def unscale_and_clip(grads: torch.Tensor, inv_scale, clip_coeff) -> torch.Tensor:
-    """The two multiplications megatron-core applies to its fp32 main grads, in its order.
-
-    Unscale, then clip: the same operations in the same order, so results match bit for bit.
-    """
-    if inv_scale is not None:
-        grads.mul_(inv_scale.to(grads.device) if torch.is_tensor(inv_scale) else inv_scale)
-    if clip_coeff is not None:
-        grads.mul_(clip_coeff)
-    return grads
-

@@ -20,7 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.optim.adam import adam
+
+from megatron_ext.training.adamw import adam_update, unscale_and_clip
 
 JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
 """Test hook: a maximum delay in seconds, slept at random before each CPU task."""
@@ -28,37 +29,6 @@ JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
 
 ACCUMULATE_CHUNK = 1 << 24
 """Elements converted to fp32 at a time when a step's grads are accumulated (64 MB)."""
-
-
-def adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, step: int, hp: dict, fused: bool = False) -> None:
-    """One AdamW step in place, torch's implementation.
-
-    CUDA tensors always take the fused kernel. Host tensors take torch's fused CPU kernel
-    when ``fused`` (GPU machines, where the CPU side must be fast), else the reference
-    implementation, which is what megatron-core's optimizer runs on a CPU-only machine:
-    bit for bit the same results there.
-    """
-    if master.numel() == 0:
-        return
-    beta1, beta2 = hp["betas"]
-    # The fused CUDA kernel wants its step tensor on the device, the CPU paths on the host.
-    step_tensor = torch.tensor(float(step - 1), device=master.device if master.is_cuda else None)
-    adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step_tensor], foreach=False,
-         fused=True if (master.is_cuda or fused) else None, capturable=False,
-         differentiable=False,
-         has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
-         weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
-         decoupled_weight_decay=True)
-
-
-def unscale_clip(grad: torch.Tensor, inv_scale, clip_coeff) -> torch.Tensor:
-    """megatron-core's two multiplications on fp32 grads (unscale, then clip)."""
-    if inv_scale is not None:
-        grad.mul_(inv_scale.to(grad.device) if torch.is_tensor(inv_scale) else inv_scale)
-    if clip_coeff is not None:
-        grad.mul_(clip_coeff)
-    return grad
 
 
 class CpuSide:
@@ -183,7 +153,7 @@ class CpuSide:
         return self._last_acc
 
     def _add_fp32(self, acc: torch.Tensor, grad: torch.Tensor, inv_scale, clip_coeff) -> None:
-        """``acc += unscale_clip(fp32(grad))``, a chunk at a time through a reused buffer.
+        """``acc += unscale_and_clip(fp32(grad))``, a chunk at a time through a reused buffer.
 
         The same roundings as converting the whole gradient first (each element is
         converted, multiplied and added once), without a full-size fp32 copy per step.
@@ -198,7 +168,7 @@ class CpuSide:
             part = grad[start:start + ACCUMULATE_CHUNK]
             fp32 = scratch[:part.numel()]
             fp32.copy_(part)
-            unscale_clip(fp32, inv_scale, clip_coeff)
+            unscale_and_clip(fp32, inv_scale, clip_coeff)
             acc[start:start + part.numel()].add_(fp32)
 
     def submit_update(self, buffer: int, window: int, hparams: List[dict]) -> Future:

@@ -32,12 +32,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.training.adamw import adam_update, unscale_and_clip
 from megatron_ext.training.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )
 from megatron_ext.zenflow.config import ZenFlowConfig
-from megatron_ext.zenflow.cpu_worker import CpuSide, TieredCpuSide, adam_update, unscale_clip
+from megatron_ext.zenflow.cpu_worker import CpuSide, TieredCpuSide
 from megatron_ext.zenflow.schedule import WindowSchedule
 from megatron_ext.zenflow.selection import (
     Plan,
@@ -131,7 +132,7 @@ class ZenFlowEngine:
         for group, n in self.gpu_plan.sizes.items():
             grad = self.gpu_plan.gather(group, self._grad,
                                         torch.empty(n, dtype=self.grad_dtype, device=self.device))
-            grad = unscale_clip(grad.float(), inv_scale, clip_coeff)
+            grad = unscale_and_clip(grad.float(), inv_scale, clip_coeff)
             adam_update(self.gpu["master"][group], grad, self.gpu["exp_avg"][group],
                         self.gpu["exp_avg_sq"][group], self.gpu_steps, hparams[group])
             self.gpu_plan.scatter(group, self.gpu["master"][group], self._weights)
