@@ -188,6 +188,16 @@ def _check_owner(st: os.stat_result, what: str) -> None:
                                 f"(uid {os.geteuid()}): {_OWN_DIR}")
 
 
+def _recyclable(st: os.stat_result, size: int) -> bool:
+    """Whether a file may be overwritten as a spare.
+
+    It must be ours, regular, ``size`` bytes, and linked from nowhere else (a checkpoint's
+    hard link keeps it).
+    """
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+            and st.st_size == size)
+
+
 def read_header(path: str) -> dict:
     """Reads and validates the header of a state file, without reading its payload.
 
@@ -399,9 +409,7 @@ class StateFileIO:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 continue
-            st = os.fstat(fd)
-            if (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1
-                    and st.st_size == size):
+            if _recyclable(os.fstat(fd), size):
                 return fd, direct
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -411,9 +419,7 @@ class StateFileIO:
     def _retire(self, path: str, directory: str, size: int) -> Optional[str]:
         """Links the file about to be replaced as a spare when it may be recycled."""
         try:
-            st = os.lstat(path)
-            if (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size
-                    or st.st_uid != os.getuid()):
+            if not _recyclable(os.lstat(path), size):
                 return None
             prefix = f".spare-{size}-"
             if sum(n.startswith(prefix) for n in os.listdir(directory)) >= SPARES_PER_SIZE:
