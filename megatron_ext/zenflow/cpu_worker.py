@@ -88,14 +88,21 @@ class CpuSide:
             out[group] = buf[:n]
         return out
 
-    def resize(self, sizes: Dict[int, int]) -> None:
-        """Fresh (zero) buffers for the given per-group sizes."""
+    def _fresh_window_buffers(self, sizes: Dict[int, int]) -> None:
+        """Zero accumulators and upload buffers of the per-group ``sizes``."""
         self.sizes = dict(sizes)
-        for store in (self.master, self.exp_avg, self.exp_avg_sq, *self.acc):
+        for store in self.acc:
             store.clear()
             store.update({g: self._empty(n) for g, n in sizes.items()})
         self.upload = self._upload_buffers(sizes)
         self.acc_steps = [0, 0]
+
+    def resize(self, sizes: Dict[int, int]) -> None:
+        """Fresh (zero) buffers for the given per-group sizes."""
+        for store in (self.master, self.exp_avg, self.exp_avg_sq):
+            store.clear()
+            store.update({g: self._empty(n) for g, n in sizes.items()})
+        self._fresh_window_buffers(sizes)
 
     def replace_states(self, sizes: Dict[int, int], states: Dict[str, Dict[int, torch.Tensor]]
                        ) -> None:
@@ -103,16 +110,11 @@ class CpuSide:
 
         Only between windows: every accumulator has been consumed.
         """
-        self.sizes = dict(sizes)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             store = getattr(self, kind)
             store.clear()
             store.update(states[kind])
-        for store in self.acc:
-            store.clear()
-            store.update({g: self._empty(n) for g, n in sizes.items()})
-        self.upload = self._upload_buffers(sizes)
-        self.acc_steps = [0, 0]
+        self._fresh_window_buffers(sizes)
 
     # ------------------------------------------------------------ tasks
 
@@ -270,12 +272,7 @@ class TieredCpuSide(CpuSide):
         """A fresh engine for the per-group sizes; fresh accumulators."""
         from megatron_ext.offload.engine import ShardParam
 
-        self.sizes = dict(sizes)
-        for store in self.acc:
-            store.clear()
-            store.update({g: self._empty(n) for g, n in sizes.items()})
-        self.upload = self._upload_buffers(sizes)
-        self.acc_steps = [0, 0]
+        self._fresh_window_buffers(sizes)
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -69,6 +69,8 @@ class ZenFlowEngine:
         self.model_dtype, self.grad_dtype = model_dtype, grad_dtype
         self.dp_group, self.tp_group, self.stats_group = dp_group, tp_group, stats_group
         self.all_matrices, self.matrices = matrices_of(self.shards, tp_rank, tp_size, all_params)
+        # Matrices whose delayed energy counts in rho (not TP duplicates): fixed for the run.
+        self._counted = {m.shard for m in self.matrices if m.counts}
         self.schedule = WindowSchedule(cfg)
         self.gpu_plan: Optional[Plan] = None
         self.cpu_plan: Optional[Plan] = None
@@ -163,7 +165,6 @@ class ZenFlowEngine:
         for shard in self.shards:
             if shard.counts_in_norm and shard.numel:
                 total_energy += shard.grad().float().square().sum(dtype=torch.float64)
-        counted = {m.shard for m in self.matrices if m.counts}
         slot = self._slot
         self._slot ^= 1
         if self._stage_free[slot] is not None:  # the accumulation that used this slot
@@ -173,7 +174,7 @@ class ZenFlowEngine:
             compact = self.cpu_plan.gather(group, self._grad, torch.empty(
                 n, dtype=self.grad_dtype, device=self.device))
             for piece in self.cpu_plan.pieces[group]:
-                if piece.shard in counted:
+                if piece.shard in self._counted:
                     delayed_energy += compact[piece.offset:piece.offset + piece.length].float(
                     ).square().sum(dtype=torch.float64)
             grads[group] = compact
