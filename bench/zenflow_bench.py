@@ -389,6 +389,9 @@ def main() -> int:
     p.add_argument("--deepspeed-bundle", default=str(ROOT / ".peers" / "deepspeed"),
                    help="folder of the DeepSpeed peer bundle (zero_infinity_bench.py, set up "
                         "with its setup_on_gpu.sh)")
+    p.add_argument("--extra-args", default="",
+                   help="more pretrain_gpt.py flags for every megatron_ext configuration, one "
+                        "string (e.g. \"--profile --profile-dir prof\")")
     p.add_argument("--output", required=True, help="results JSON (rewritten after each run)")
     a = p.parse_args()
     configs = [c for c in a.configs.split(",") if c]
@@ -398,7 +401,7 @@ def main() -> int:
     if a.interval < 1 or a.windows < 1 or a.warmup_windows < 0:
         p.error("--interval and --windows must be >= 1, --warmup-windows >= 0")
     shape = TINY if a.tiny else reference_shape()
-    base = pretrain_args(shape, a)
+    base = pretrain_args(shape, a) + shlex.split(a.extra_args)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(shlex.quote(x) for x in sys.argv),
                "machine": machine_facts(), "shape": shape, "pretrain_args": base,

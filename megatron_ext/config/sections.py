@@ -314,6 +314,22 @@ class LoggingConfig:
     disabled."""
     timing_log_level: int = option(0, choices=(0, 1, 2))
     """Detail of the timers: 0 the iteration breakdown, 1 and 2 finer timers."""
+    profile: bool = False
+    """Profile iterations --profile-step-start to --profile-step-end with torch.profiler
+    (CPU and CUDA): a table of the operators and labelled ranges by time, and a Chrome
+    trace, in --profile-dir."""
+    profile_step_start: int = 10
+    """First profiled iteration (1-based)."""
+    profile_step_end: int = 12
+    """Last profiled iteration."""
+    profile_ranks: List[int] = option(default_factory=lambda: [0], nargs="+", metavar="RANK")
+    """Global ranks that profile."""
+    profile_dir: str = "profile"
+    """Directory of the profiler's files (rankN-iterA-B.txt and .json)."""
+
+    def __post_init__(self):
+        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_end:
+            raise UsageError("--profile needs 1 <= --profile-step-start <= --profile-step-end")
 
 
 @dataclasses.dataclass

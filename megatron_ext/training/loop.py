@@ -26,6 +26,7 @@ from megatron_ext.training.metrics import (
     num_parameters,
 )
 from megatron_ext.training.optimizer import close_optimizer, optimizer_metrics
+from megatron_ext.training.profiling import Profiler
 from megatron_ext.training.signals import ExitSignalHandler
 
 log = logging.getLogger("megatron_ext")
@@ -267,10 +268,13 @@ class Trainer:
         iters = 0
         t_fb = t_opt = 0.0
         window = Stopwatch()
-        with ExitSignalHandler() as signals:
+        profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
+        with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
+                profiler.before(self.state.iteration + 1)
                 losses, ok, grad_norm, fb, opt = self.train_step(data_iterator)
                 self.state.iteration += 1
+                profiler.after(self.state.iteration)
                 self.state.consumed_train_samples += train.global_batch_size
                 if ok:
                     self.state.optimizer_steps += 1

@@ -22,6 +22,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.module import param_is_not_shared
+from torch.profiler import record_function
 
 
 @dataclasses.dataclass
@@ -129,6 +130,10 @@ class ShardedStateOptimizer(DistributedOptimizer):
         here each parameter's norm comes from its training-dtype grad (converted one
         parameter at a time), so no fp32 copy of the shard is made.
         """
+        with record_function("optimizer/grad_norm"):
+            return self._grad_norm_now()
+
+    def _grad_norm_now(self):
         norms = []
         for shard in self.shards:
             if not shard.counts_in_norm:
@@ -159,7 +164,8 @@ class ShardedStateOptimizer(DistributedOptimizer):
         timers = self.config.timers
         if timers is not None:
             timers("optimizer-inner-step", log_level=1).start()
-        self._update()
+        with record_function("optimizer/update"):
+            self._update()
         if timers is not None:
             timers("optimizer-inner-step").stop()
         if not self.ddp_config.overlap_param_gather:

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron_ext.runtime import host_kernels
 from megatron_ext.training.adamw import adam_update, unscale_and_clip
 
 JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
@@ -31,6 +32,24 @@ ACCUMULATE_CHUNK = 1 << 24
 """Elements converted to fp32 at a time when a step's grads are accumulated (64 MB)."""
 
 
+THREADS_ENV = "MEGATRON_EXT_ZENFLOW_THREADS"
+
+
+def default_threads() -> int:
+    """Threads for one accumulation.
+
+    $MEGATRON_EXT_ZENFLOW_THREADS, else a quarter of torch's intra-op count
+    (OMP_NUM_THREADS, CPU affinity), at least one.
+
+    The accumulation runs beside the training loop's own thread (which launches the GPU
+    kernels) and the CPU Adam of the previous window: on the 16-core H200 machine 4 threads
+    gave a faster mean step than 8 or 16 (bench/results/2026-11-30-h200-zenflow), although
+    an accumulation alone is fastest with all 16.
+    """
+    value = os.environ.get(THREADS_ENV, "")
+    return max(1, int(value) if value.strip() else torch.get_num_threads() // 4)
+
+
 class CpuSide:
     """fp32 master, Adam moments and two accumulators per param group, on the host.
 
@@ -38,7 +57,8 @@ class CpuSide:
     memory (fast H2D copies) and Adam is torch's fused CPU kernel.
     """
 
-    def __init__(self, sizes: Dict[int, int], model_dtype: torch.dtype, pin: bool):
+    def __init__(self, sizes: Dict[int, int], model_dtype: torch.dtype, pin: bool,
+                 threads: Optional[int] = None):
         self.model_dtype = model_dtype
         self.pin = pin
         self._pinned: Dict[int, torch.Tensor] = {}
@@ -48,6 +68,8 @@ class CpuSide:
         self.exp_avg_sq: Dict[int, torch.Tensor] = {}
         self.acc: List[Dict[int, torch.Tensor]] = [{}, {}]
         self.acc_steps = [0, 0]
+        self.acc_is_mean = [False, False]
+        """Whether an accumulator holds its window's mean already (divided by its last step)."""
         self.upload: Dict[int, torch.Tensor] = {}
         """The last update's new weights in the model's dtype, waiting to enter the model."""
         self.steps = 0
@@ -61,6 +83,9 @@ class CpuSide:
         self._random = random.Random(1234)
         self.lock = threading.Lock()
         self.busy = {"accumulate": 0.0, "update": 0.0}
+        self._kernels = host_kernels.load()
+        self.threads = threads or default_threads()
+        """Threads of one accumulation (the C kernel's; torch's pool otherwise)."""
         self.trace: Optional[List[tuple]] = None
         """Test hook: when a list, each update appends (window, [per-group mean grads])."""
 
@@ -96,6 +121,7 @@ class CpuSide:
             store.update({g: self._empty(n) for g, n in sizes.items()})
         self.upload = self._upload_buffers(sizes)
         self.acc_steps = [0, 0]
+        self.acc_is_mean = [False, False]
 
     def resize(self, sizes: Dict[int, int]) -> None:
         """Fresh (zero) buffers for the given per-group sizes."""
@@ -137,41 +163,72 @@ class CpuSide:
 
     def accumulate(self, buffer: int, grads: Dict[int, torch.Tensor], inv_scale, clip_coeff,
                    ready: Optional[Callable[[], None]] = None,
-                   done: Optional[Callable[[], None]] = None) -> Future:
+                   done: Optional[Callable[[], None]] = None, last: bool = False) -> Future:
         """Adds one step's grads (training dtype, host) into accumulator ``buffer``.
 
         ``ready`` is waited for first (the D2H copy); ``done`` is called after (the
-        staging buffer is free again).
+        staging buffer is free again). The first step of a window overwrites the
+        accumulator (``0 + grad``: no zeroing pass); with ``last`` (the window's last step)
+        the sum is divided by the window's step count on the way (the mean Adam takes; no
+        separate division pass).
         """
         def task():
             if ready is not None:
                 ready()
+            first = self.acc_steps[buffer] == 0
+            count = self.acc_steps[buffer] + 1
+            divisor = count if last and count > 1 else None
+            inv = float(inv_scale) if inv_scale is not None else None
             for group, grad in grads.items():
-                self._add_fp32(self.acc[buffer][group], grad, inv_scale, clip_coeff)
-            self.acc_steps[buffer] += 1
+                self._add_fp32(self.acc[buffer][group], grad, inv, clip_coeff, first, divisor)
+            self.acc_steps[buffer] = count
+            self.acc_is_mean[buffer] = last
             if done is not None:
                 done()
         self._last_acc = self._acc_pool.submit(self._timed("accumulate", task))
         return self._last_acc
 
-    def _add_fp32(self, acc: torch.Tensor, grad: torch.Tensor, inv_scale, clip_coeff) -> None:
-        """``acc += unscale_and_clip(fp32(grad))``, a chunk at a time through a reused buffer.
+    def _add_fp32(self, acc: torch.Tensor, grad: torch.Tensor, inv_scale: Optional[float],
+                  clip_coeff: Optional[float], first: bool, divisor: Optional[int]) -> None:
+        """``acc = ((0 if first else acc) + unscale_and_clip(fp32(grad))) / divisor``.
 
-        The same roundings as converting the whole gradient first (each element is
-        converted, multiplied and added once), without a full-size fp32 copy per step.
+        One pass of the C kernel (runtime/host_kernels.py) where it is available; else
+        torch, a chunk at a time through a reused buffer. Both give the same roundings as
+        converting the whole gradient first, multiplying, adding and dividing.
         """
+        if self._kernels is not None and host_kernels.supports(acc, grad):
+            host_kernels.accumulate(self._kernels, acc, grad, inv_scale=inv_scale,
+                                    clip=clip_coeff, first=first, divisor=divisor,
+                                    threads=self.threads)
+            return
+        if first:
+            acc.zero_()
         if grad.dtype == torch.float32 and inv_scale is None and clip_coeff is None:
             acc.add_(grad)
-            return
-        scratch = getattr(self._scratch, "buffer", None)
-        if scratch is None:
-            scratch = self._scratch.buffer = torch.empty(ACCUMULATE_CHUNK)
-        for start in range(0, grad.numel(), ACCUMULATE_CHUNK):
-            part = grad[start:start + ACCUMULATE_CHUNK]
-            fp32 = scratch[:part.numel()]
-            fp32.copy_(part)
-            unscale_and_clip(fp32, inv_scale, clip_coeff)
-            acc[start:start + part.numel()].add_(fp32)
+        else:
+            scratch = getattr(self._scratch, "buffer", None)
+            if scratch is None:
+                scratch = self._scratch.buffer = torch.empty(ACCUMULATE_CHUNK)
+            for start in range(0, grad.numel(), ACCUMULATE_CHUNK):
+                part = grad[start:start + ACCUMULATE_CHUNK]
+                fp32 = scratch[:part.numel()]
+                fp32.copy_(part)
+                unscale_and_clip(fp32, inv_scale, clip_coeff)
+                acc[start:start + part.numel()].add_(fp32)
+        if divisor is not None:
+            acc.div_(divisor)
+
+    def _window_mean(self, buffer: int) -> Dict[int, torch.Tensor]:
+        """The window's mean grads in accumulator ``buffer`` (divided now if not yet)."""
+        if not self.acc_is_mean[buffer] and self.acc_steps[buffer] > 1:
+            for grad in self.acc[buffer].values():
+                grad.div_(self.acc_steps[buffer])
+        return self.acc[buffer]
+
+    def _consumed(self, buffer: int) -> None:
+        """Accumulator ``buffer`` is free: the next accumulation into it overwrites it."""
+        self.acc_steps[buffer] = 0
+        self.acc_is_mean[buffer] = False
 
     def submit_update(self, buffer: int, window: int, hparams: List[dict]) -> Future:
         """Starts Adam on the window in ``buffer`` (after its last accumulation)."""
@@ -209,22 +266,15 @@ class CpuSide:
         return sum(t.numel() * t.element_size() for s in stores for t in s.values())
 
     def _apply_adam(self, buffer: int, window: int, hparams: List[dict]) -> None:
-        steps = self.acc_steps[buffer]
+        means = self._window_mean(buffer)
         self.steps += 1
-        means = {}
         for group in self.sizes:
-            grad = self.acc[buffer][group]
-            if steps > 1:
-                grad.div_(steps)
-            means[group] = grad
-            adam_update(self.master[group], grad, self.exp_avg[group], self.exp_avg_sq[group],
-                        self.steps, hparams[group], fused=self.pin)
+            adam_update(self.master[group], means[group], self.exp_avg[group],
+                        self.exp_avg_sq[group], self.steps, hparams[group], fused=self.pin)
             self.upload[group].copy_(self.master[group])
         if self.trace is not None:
             self.trace.append((window, {g: t.clone() for g, t in means.items()}))
-        for grad in self.acc[buffer].values():
-            grad.zero_()
-        self.acc_steps[buffer] = 0
+        self._consumed(buffer)
 
     def wait_accumulate(self) -> None:
         """Until every submitted accumulation is done."""
@@ -320,19 +370,14 @@ class TieredCpuSide(CpuSide):
         return total
 
     def _apply_adam(self, buffer: int, window: int, hparams: List[dict]) -> None:
-        steps = self.acc_steps[buffer]
-        if steps > 1:
-            for grad in self.acc[buffer].values():
-                grad.div_(steps)
+        means = self._window_mean(buffer)
         if self.trace is not None:
-            self.trace.append((window, {g: t.clone() for g, t in self.acc[buffer].items()}))
+            self.trace.append((window, {g: t.clone() for g, t in means.items()}))
         if self.engine is not None:
             self._buffer = buffer
             self.engine.step(hparams, None, None)
         self.steps += 1
-        for grad in self.acc[buffer].values():
-            grad.zero_()
-        self.acc_steps[buffer] = 0
+        self._consumed(buffer)
 
     def close(self) -> None:
         """Stops the threads and the engine (its tier files are removed)."""

@@ -30,6 +30,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from megatron_ext.errors import UsageError
 from megatron_ext.training.adamw import adam_update, unscale_and_clip
@@ -52,6 +53,19 @@ from megatron_ext.zenflow.selection import (
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 FORMAT = 1
+
+
+def _energy(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of all elements (fp64, 0-dim, on ``device``).
+
+    One multi-tensor norm (fp32 accumulation per tensor, one pass over the training-dtype
+    grads, no fp32 copy), squared and summed in fp64: rho is a ratio of two of these.
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
 
 
 class ZenFlowEngine:
@@ -131,15 +145,18 @@ class ZenFlowEngine:
             self._select(first=True)
         start = time.perf_counter()
         self.gpu_steps += 1
-        for group, n in self.gpu_plan.sizes.items():
-            grad = self.gpu_plan.gather(group, self._grad,
-                                        torch.empty(n, dtype=self.grad_dtype, device=self.device))
-            grad = unscale_and_clip(grad.float(), inv_scale, clip_coeff)
-            adam_update(self.gpu["master"][group], grad, self.gpu["exp_avg"][group],
-                        self.gpu["exp_avg_sq"][group], self.gpu_steps, hparams[group])
-            self.gpu_plan.scatter(group, self.gpu["master"][group], self._weights)
+        with record_function("zenflow/gpu_update"):
+            for group, n in self.gpu_plan.sizes.items():
+                grad = self.gpu_plan.gather(group, self._grad, torch.empty(
+                    n, dtype=self.grad_dtype, device=self.device))
+                grad = unscale_and_clip(grad.float(), inv_scale, clip_coeff)
+                adam_update(self.gpu["master"][group], grad, self.gpu["exp_avg"][group],
+                            self.gpu["exp_avg_sq"][group], self.gpu_steps, hparams[group])
+                self.gpu_plan.scatter(group, self.gpu["master"][group], self._weights)
         self._stats["gpu_update_s"] += time.perf_counter() - start
-        rho = self._send_delayed_grads(inv_scale, clip_coeff)
+        with record_function("zenflow/send_delayed_grads"):
+            rho = self._send_delayed_grads(inv_scale, clip_coeff,
+                                           last=plan.sync or plan.closes_window)
         buffer = self.schedule.buffer
         if plan.sync:
             self._flush_pending()
@@ -158,32 +175,35 @@ class ZenFlowEngine:
         self._stats["steps"] += 1
         self._stats["rho"] += rho
 
-    def _send_delayed_grads(self, inv_scale, clip_coeff) -> float:
-        """Gathers the delayed columns' grads, queues their accumulation; returns rho."""
-        delayed_energy = torch.zeros((), dtype=torch.float64, device=self.device)
-        total_energy = torch.zeros((), dtype=torch.float64, device=self.device)
-        for shard in self.shards:
-            if shard.counts_in_norm and shard.numel:
-                total_energy += shard.grad().float().square().sum(dtype=torch.float64)
+    def _send_delayed_grads(self, inv_scale, clip_coeff, last: bool) -> float:
+        """Gathers the delayed columns' grads, queues their accumulation; returns rho.
+
+        ``last``: the step closes its window (the accumulation leaves the mean).
+        """
+        total_energy = _energy([s.grad() for s in self.shards if s.counts_in_norm and s.numel],
+                               self.device)
         slot = self._slot
         self._slot ^= 1
         if self._stage_free[slot] is not None:  # the accumulation that used this slot
             self._wait(self._stage_free[slot].result)
-        grads = {}
+        grads, counted = {}, []
         for group, n in self.cpu_plan.sizes.items():
             compact = self.cpu_plan.gather(group, self._grad, torch.empty(
                 n, dtype=self.grad_dtype, device=self.device))
-            for piece in self.cpu_plan.pieces[group]:
-                if piece.shard in self._counted:
-                    delayed_energy += compact[piece.offset:piece.offset + piece.length].float(
-                    ).square().sum(dtype=torch.float64)
+            pieces = self.cpu_plan.pieces[group]
+            if all(piece.shard in self._counted for piece in pieces):
+                counted.append(compact)
+            else:
+                counted += [compact[p.offset:p.offset + p.length] for p in pieces
+                            if p.shard in self._counted]
             grads[group] = compact
+        delayed_energy = _energy(counted, self.device)
         ready = None
         if self.is_cuda and grads:
             grads, ready = self._to_host(slot, grads)
         self._stats["d2h_bytes"] += sum(g.numel() * g.element_size() for g in grads.values())
         self._stage_free[slot] = self.cpu.accumulate(self.schedule.buffer, grads, inv_scale,
-                                                     clip_coeff, ready=ready)
+                                                     clip_coeff, ready=ready, last=last)
         energies = torch.stack([delayed_energy, total_energy])
         if self.stats_group is not None and torch.distributed.get_world_size(self.stats_group) > 1:
             torch.distributed.all_reduce(energies, group=self.stats_group)
@@ -217,6 +237,10 @@ class ZenFlowEngine:
         """Waits for the CPU update in flight and copies its weights into the model."""
         if not self.upload_pending:
             return
+        with record_function("zenflow/flush_pending"):
+            self._flush_pending_now()
+
+    def _flush_pending_now(self) -> None:
         self._wait(self.cpu.wait_update)
         for group in self.cpu_plan.sizes:
             values = self.cpu.upload[group]

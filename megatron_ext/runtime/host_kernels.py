@@ -1,0 +1,137 @@
+"""One-pass host-memory kernels (megatron_ext/csrc/host_kernels.c), built on first use.
+
+ZenFlow's CPU side adds every step's delayed gradients (about 90% of the model) into an
+fp32 accumulator in host memory. In torch that is three passes (convert into a temporary,
+multiply in place, add) and the accumulation became the slowest part of a ZenFlow step on
+the GPU machine; the C kernel reads the gradient and the accumulator once, with torch's
+arithmetic (same operations, same order, no fused multiply-add), so results are unchanged
+bit for bit.
+
+The library is compiled with the system C compiler (``$CC`` or ``cc``) into
+``$MEGATRON_EXT_CACHE`` (default ``~/.cache/megatron_ext``), under a name that hashes the
+source, the compiler and this CPU's instruction-set flags (the build uses -march=native:
+a cache shared by nodes with other CPUs gets one build per kind), written to a temporary
+name and renamed, so concurrent ranks never load a half-written file. Without a compiler,
+or when the build fails, :func:`load` returns None once with a warning and callers use
+their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_kernels.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
+         "-pthread"]
+DISABLE_ENV = "MEGATRON_EXT_NO_HOST_KERNELS"
+"""Set to 1 to use the torch paths (for comparisons)."""
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_lock = threading.Lock()
+_loaded: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MEGATRON_EXT_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "megatron_ext")
+    return Path(root) / "kernels"
+
+
+def _build() -> Optional[ctypes.CDLL]:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler (cc, gcc or $CC): ZenFlow's host accumulation uses torch "
+                    "(slower; install gcc for the one-pass kernel)")
+        return None
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(b"\0".join([
+        SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(),
+        _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"host_kernels-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            first = (result.stderr.strip().splitlines() or ["(no output)"])[0]
+            log.warning("building %s failed (%s): ZenFlow's host accumulation uses torch",
+                        SOURCE.name, first)
+            return None
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.mext_accumulate
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                   ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The built library, or None (no compiler, a failed build, $MEGATRON_EXT_NO_HOST_KERNELS)."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+                return None
+            try:
+                _loaded = _build()
+            except OSError as exc:
+                log.warning("host kernels unavailable (%s): ZenFlow's host accumulation "
+                            "uses torch", exc)
+        return _loaded
+
+
+def supports(acc: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether :func:`accumulate` can take these tensors."""
+    return (acc.dtype == torch.float32 and grad.dtype in _DTYPES and acc.device.type == "cpu"
+            and grad.device.type == "cpu" and acc.is_contiguous() and grad.is_contiguous()
+            and acc.numel() == grad.numel())
+
+
+def accumulate(lib: ctypes.CDLL, acc: torch.Tensor, grad: torch.Tensor, *,
+               inv_scale: Optional[float], clip: Optional[float], first: bool,
+               divisor: Optional[int], threads: int) -> None:
+    """``acc = ((0 if first else acc) + grad * inv_scale * clip) / divisor``, in fp32.
+
+    ``None`` leaves a factor out. The same roundings as torch's ``copy_`` to fp32,
+    ``mul_``, ``mul_``, ``add_`` and ``div_`` in that order.
+    """
+    if not supports(acc, grad):
+        raise ValueError("accumulate: needs contiguous CPU tensors of equal size, fp32 "
+                         "accumulator, fp32/bf16/fp16 gradient")
+    lib.mext_accumulate(
+        acc.data_ptr(), grad.data_ptr(), _DTYPES[grad.dtype], acc.numel(),
+        int(inv_scale is not None), float(inv_scale if inv_scale is not None else 1.0),
+        int(clip is not None), float(clip if clip is not None else 1.0), int(first),
+        int(divisor is not None), float(divisor if divisor is not None else 1.0),
+        max(1, int(threads)))
