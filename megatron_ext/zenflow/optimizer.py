@@ -53,6 +53,8 @@ from megatron_ext.zenflow.selection import (
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 FORMAT = 1
+STAGING_SLOTS = 3
+"""Steps of delayed grads that may wait in pinned memory for the accumulate thread."""
 
 
 def _energy(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -103,8 +105,12 @@ class ZenFlowEngine:
         """A finished or running CPU update whose weights have not entered the model yet."""
         self.selected_ratio = 0.0
         self.retention = float("nan")
-        self._stage: List[Dict[int, torch.Tensor]] = [{}, {}]
-        self._stage_free: List[Optional[object]] = [None, None]
+        # Pinned staging for the delayed grads: STAGING_SLOTS steps' worth, so that the
+        # training loop waits only when the accumulate thread is that many steps behind
+        # (it falls behind for a step or two while the CPU Adam of a window shares memory
+        # bandwidth with it).
+        self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(STAGING_SLOTS)]
+        self._stage_free: List[Optional[object]] = [None] * STAGING_SLOTS
         self._slot = 0
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
@@ -183,7 +189,7 @@ class ZenFlowEngine:
         total_energy = _energy([s.grad() for s in self.shards if s.counts_in_norm and s.numel],
                                self.device)
         slot = self._slot
-        self._slot ^= 1
+        self._slot = (slot + 1) % STAGING_SLOTS
         if self._stage_free[slot] is not None:  # the accumulation that used this slot
             self._wait(self._stage_free[slot].result)
         grads, counted = {}, []
