@@ -38,16 +38,16 @@ THREADS_ENV = "MEGATRON_EXT_ZENFLOW_THREADS"
 def default_threads() -> int:
     """Threads for one accumulation.
 
-    $MEGATRON_EXT_ZENFLOW_THREADS, else a quarter of torch's intra-op count
-    (OMP_NUM_THREADS, CPU affinity), at least one.
-
-    The accumulation runs beside the training loop's own thread (which launches the GPU
-    kernels) and the CPU Adam of the previous window: on the 16-core H200 machine 4 threads
-    gave a faster mean step than 8 or 16 (bench/results/2026-11-30-h200-zenflow), although
-    an accumulation alone is fastest with all 16.
+    $MEGATRON_EXT_ZENFLOW_THREADS, else half of torch's intra-op count (OMP_NUM_THREADS,
+    CPU affinity), at least one. The accumulation shares the host's memory bandwidth and
+    cores with the training loop's own thread (which launches the GPU kernels) and with the
+    CPU Adam of the previous window. On the 16-core H200 machine (1.28B GPT, k=0.1, S=4;
+    bench/results/2026-11-30-h200-zenflow-bench): 16 threads slowed the loop's kernel
+    launches (forward-backward 0.150 s instead of 0.135), 4 could not keep up (25% of the
+    time waiting for the host), 8 with three staging slots left no wait at all.
     """
     value = os.environ.get(THREADS_ENV, "")
-    return max(1, int(value) if value.strip() else torch.get_num_threads() // 4)
+    return max(1, int(value) if value.strip() else torch.get_num_threads() // 2)
 
 
 class CpuSide:

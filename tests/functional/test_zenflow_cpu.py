@@ -8,6 +8,7 @@ checkpoints and processes.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -79,7 +80,10 @@ def test_synchronous_steps_equal_plain_adam(tmp_path, baseline, precision):
 
 
 def test_async_windows_train_and_report(tmp_path, baseline):
-    out = run_zenflow(tmp_path, [*ASYNC, "--bf16"])
+    # --profile rides along (the same run): iterations 11-12 hold a window end (12).
+    prof = tmp_path / "prof"
+    out = run_zenflow(tmp_path, [*ASYNC, "--bf16", "--profile", "--profile-step-start", "11",
+                                 "--profile-step-end", "12", "--profile-dir", str(prof)])
     records = [r for r in read_metrics(out) if "lm_loss" in r]
     losses = losses_of(records)
     assert_loss_falls(losses)
@@ -104,6 +108,15 @@ def test_async_windows_train_and_report(tmp_path, baseline):
     # Only the selected columns and 1-D parameters keep fp32 state on the device.
     last = records[-1]
     assert 0 < last["zenflow/device_state_gib"] < 0.25 * last["zenflow/host_state_gib"]
+    # The profile: the optimizer's labelled ranges, once per profiled step (the flush only
+    # at 12, twice: the pending update, then the re-selection's), and a Chrome trace.
+    table = (prof / "rank0-iter11-12.txt").read_text()
+    assert table.startswith("iterations 11-12, rank 0")
+    calls = {line.split()[0]: int(line.split()[-1]) for line in table.splitlines()
+             if line.strip().startswith(("zenflow/", "optimizer/"))}
+    assert calls["zenflow/gpu_update"] == 2 and calls["zenflow/send_delayed_grads"] == 2
+    assert calls["optimizer/grad_norm"] == 2 and calls["zenflow/flush_pending"] == 2
+    assert json.loads((prof / "rank0-iter11-12.json").read_text())["traceEvents"]
 
 
 @pytest.mark.parametrize("stop_at", [6, 12])

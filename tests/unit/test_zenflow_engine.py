@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.optim.adam import adam
 
+from megatron_ext.runtime import host_kernels
 from megatron_ext.training.sharded_optimizer import Shard
 from megatron_ext.zenflow import cpu_worker
 from megatron_ext.zenflow.config import ZenFlowConfig
@@ -243,13 +244,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_equals_reference(case, dtype, monkeypatch):
-    # Small chunks: the accumulation's chunked fp32 conversion crosses chunk boundaries.
+def test_engine_equals_reference(case, dtype, kernels, monkeypatch):
+    if kernels == "torch":  # the path of machines without a C compiler
+        monkeypatch.setattr(host_kernels, "load", lambda: None)
+    elif host_kernels.load() is None:
+        pytest.skip("no C compiler: the host kernels cannot be built")
+    # Small chunks: the torch path's chunked fp32 conversion crosses chunk boundaries.
     monkeypatch.setattr(cpu_worker, "ACCUMULATE_CHUNK", 7)
     cfg = ZenFlowConfig(zenflow=True, **CASES[case])
     engine, shards, ref, _ = run_both(cfg, dtype, steps=25)
+    assert (engine.cpu._kernels is not None) == (kernels == "c")
     assert_same(engine, shards, ref)
     assert engine.retention == engine.retention  # re-selected at least once: not NaN
 
