@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron_ext.errors import UsageError
 from megatron_ext.runtime import host_kernels
 from megatron_ext.training.adamw import adam_update, unscale_and_clip
 
@@ -46,8 +47,12 @@ def default_threads() -> int:
     launches (forward-backward 0.150 s instead of 0.135), 4 could not keep up (25% of the
     time waiting for the host), 8 with three staging slots left no wait at all.
     """
-    value = os.environ.get(THREADS_ENV, "")
-    return max(1, int(value) if value.strip() else torch.get_num_threads() // 2)
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return max(1, torch.get_num_threads() // 2)
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{THREADS_ENV}={value}: give a whole number of threads, at least 1")
+    return int(value)
 
 
 class CpuSide:

@@ -54,7 +54,22 @@ from megatron_ext.zenflow.selection import (
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 FORMAT = 1
 STAGING_SLOTS = 3
-"""Steps of delayed grads that may wait in pinned memory for the accumulate thread."""
+"""Steps of delayed grads that may wait in pinned memory for the accumulate thread (each
+slot holds one step's delayed grads in the training dtype: 2 bytes x (1-k) x parameters)."""
+STAGING_ENV = "MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"
+
+
+def staging_slots() -> int:
+    """Staging slots: $MEGATRON_EXT_ZENFLOW_STAGING_SLOTS, else STAGING_SLOTS.
+
+    At least 1; fewer save host memory on large models, at the price of more waiting.
+    """
+    value = os.environ.get(STAGING_ENV, "").strip()
+    if not value:
+        return STAGING_SLOTS
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{STAGING_ENV}={value}: give a whole number of slots, at least 1")
+    return int(value)
 
 
 def _energy(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -105,12 +120,13 @@ class ZenFlowEngine:
         """A finished or running CPU update whose weights have not entered the model yet."""
         self.selected_ratio = 0.0
         self.retention = float("nan")
-        # Pinned staging for the delayed grads: STAGING_SLOTS steps' worth, so that the
+        # Pinned staging for the delayed grads: staging_slots() steps' worth, so that the
         # training loop waits only when the accumulate thread is that many steps behind
         # (it falls behind for a step or two while the CPU Adam of a window shares memory
         # bandwidth with it).
-        self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(STAGING_SLOTS)]
-        self._stage_free: List[Optional[object]] = [None] * STAGING_SLOTS
+        self._slots = staging_slots()
+        self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(self._slots)]
+        self._stage_free: List[Optional[object]] = [None] * self._slots
         self._slot = 0
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
@@ -189,7 +205,7 @@ class ZenFlowEngine:
         total_energy = _energy([s.grad() for s in self.shards if s.counts_in_norm and s.numel],
                                self.device)
         slot = self._slot
-        self._slot = (slot + 1) % STAGING_SLOTS
+        self._slot = (slot + 1) % self._slots
         if self._stage_free[slot] is not None:  # the accumulation that used this slot
             self._wait(self._stage_free[slot].result)
         grads, counted = {}, []

@@ -134,3 +134,23 @@ def test_bad_input_gives_one_line(data, case):
     assert lines[0].startswith("error: "), proc.stderr
     assert expected in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+ENV_CASES = {
+    "zenflow threads not a number": ({"MEGATRON_EXT_ZENFLOW_THREADS": "many"},
+                                     "MEGATRON_EXT_ZENFLOW_THREADS=many: give a whole number"),
+    "zenflow no staging slot": ({"MEGATRON_EXT_ZENFLOW_STAGING_SLOTS": "0"},
+                                "MEGATRON_EXT_ZENFLOW_STAGING_SLOTS=0: give a whole number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENV_CASES))
+def test_bad_environment_gives_one_line(case):
+    env, expected = ENV_CASES[case]
+    proc = subprocess.run([sys.executable, PRETRAIN, *BASE, *MOCK, *ZENFLOW], cwd=ROOT,
+                          env=test_env(env), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
