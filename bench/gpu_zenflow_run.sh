@@ -22,9 +22,12 @@
 #   no-offload              16 x 0.19 s  =  3 s + start    ~35-45 s
 #   mcore-offload           16 x 0.68 s  = 11 s + start    ~45-55 s
 #   host-only               16 x 0.77 s  = 12 s + start    ~45-55 s
-#   zenflow                 16 x 0.2-0.8 s (not measured yet; first step selects) ~40-60 s
+#   zenflow                 16 x 0.25-0.36 s (+ ~10 s first step: selection) ~45-55 s
 #   deepspeed-zero-offload  16 x 1.44 s  = 23 s + start    ~75-85 s
 #   deepspeed-zenflow       16 x 0.52 s  =  8 s + start    ~60-70 s
+#   (2026-11-30 23:47: four configurations with the DeepSpeed setup took 240 s.)
+#   tests/gpu as a whole takes more than 470 s: test_gpu_offload.py ~200-240 s,
+#   test_gpu_zenflow.py ~240 s; run each in its own call.
 #   all six, no TESTS: ~375-445 s: fits the 600 s limit of one call (each run is killed
 #   after zenflow_bench.py's --timeout, 240 s). With TESTS (tests/gpu/test_gpu_offload.py
 #   alone took 200-240 s) split into two calls: TESTS + no-offload,mcore-offload,host-only,
