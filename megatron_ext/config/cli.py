@@ -32,6 +32,16 @@ def _base_type(annotation):
     return annotation
 
 
+def _element_type(annotation):
+    """The element type of a list field: str for List[str], int for Optional[List[int]]."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _element_type(args[0])
+    args = typing.get_args(annotation)
+    return args[0] if args else str
+
+
 def _flag(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
@@ -72,7 +82,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                 kwargs["metavar"] = meta.get("metavar") or field.name.upper()
             if base is list:
                 kwargs["nargs"] = meta.get("nargs") or "+"
-                kwargs["type"] = str
+                kwargs["type"] = meta.get("parse") or _element_type(hints[field.name])
             else:
                 kwargs["type"] = meta.get("parse") or base
             group.add_argument(_flag(field), **kwargs)

@@ -65,6 +65,15 @@ def test_parse_defaults_and_derived_values():
     assert cfg.model.ffn_hidden_size == 4 * cfg.model.hidden_size
 
 
+def test_list_flags_parse_their_element_type():
+    cfg = parse_config(["--mock-data", "--vocab-size", "100", "--profile", "--profile-ranks",
+                        "0", "3"])
+    assert cfg.logging.profile_ranks == [0, 3]
+    assert parse_config(["--mock-data", "--vocab-size", "100"]).logging.profile_ranks == [0]
+    with pytest.raises((UsageError, SystemExit)):
+        parse_config(["--mock-data", "--vocab-size", "100", "--profile-ranks", "first"])
+
+
 @pytest.mark.parametrize("world,args,dp", [
     (1, [], 1), (2, [], 2), (2, ["--tensor-model-parallel-size", "2"], 1),
     (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2),
