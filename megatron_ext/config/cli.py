@@ -21,24 +21,24 @@ def _sections():
     return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig)]
 
 
+def _without_optional(annotation):
+    """``X`` for ``Optional[X]``; any other annotation as it is."""
+    if typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
 def _base_type(annotation):
-    """Int for Optional[int], (list, str) for List[str], ..."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _base_type(args[0])
-    if origin in (list, List):
+    """Int for Optional[int], list for List[str], ..."""
+    annotation = _without_optional(annotation)
+    if typing.get_origin(annotation) in (list, List):
         return list
     return annotation
 
 
 def _element_type(annotation):
     """The element type of a list field: str for List[str], int for Optional[List[int]]."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _element_type(args[0])
-    args = typing.get_args(annotation)
+    args = typing.get_args(_without_optional(annotation))
     return args[0] if args else str
 
 

@@ -123,6 +123,7 @@ class ShardedStateOptimizer(DistributedOptimizer):
         return found_inf
 
     @torch.no_grad()
+    @record_function("optimizer/grad_norm")
     def get_grad_norm(self):
         """megatron-core's global grad norm, from per-parameter norms of the unscaled grads.
 
@@ -130,10 +131,6 @@ class ShardedStateOptimizer(DistributedOptimizer):
         here each parameter's norm comes from its training-dtype grad (converted one
         parameter at a time), so no fp32 copy of the shard is made.
         """
-        with record_function("optimizer/grad_norm"):
-            return self._grad_norm_now()
-
-    def _grad_norm_now(self):
         norms = []
         for shard in self.shards:
             if not shard.counts_in_norm:
