@@ -19,12 +19,16 @@ Configurations (``--configs``, comma-separated):
   alt-delayed           + delayed FP16->FP32 gradient conversion
   all-on                + concurrency control and rebalancing (all techniques)
   all-on-2paths         + a second path given by --second-path (name it a stand-in)
+  all-on-nocc           all-on without concurrency control (for runs on several GPUs)
   deepspeed-nvme        DeepSpeed ZeRO-Infinity (the peer bundle), same model, same disk
 
 A configuration name may end in ``@GB`` (``all-on@9.6``): that run's host cache budget
-instead of ``--cache-gb``. Every run also reports the peak resident set size of its process
-(``peak_rss_gib``, from wait4's rusage): the host memory it really used, pinned buffers,
-CUDA context and all, so that budgets can be compared across engines.
+instead of ``--cache-gb``, and in ``xN`` (``all-on@2.4x2``): that run on N GPUs of the
+machine (torchrun, data parallel, each rank its own shard, all ranks on the same paths:
+the setting that concurrency control is for; ``all-on-nocc`` is all-on without it). Every
+run also reports its peak resident set size (``peak_rss_gib``, from wait4's rusage; with N
+GPUs, that of the largest process): the host memory it really used, pinned buffers, CUDA
+context and all, so that budgets can be compared across engines.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -55,7 +60,8 @@ OFF_SWITCHES = {
     "rebalance": "--no-offload-rebalance",
 }
 ENABLED = {"all-off": (), "alt": ("alternate",), "alt-delayed": ("alternate", "delayed"),
-           "all-on": tuple(OFF_SWITCHES), "all-on-2paths": tuple(OFF_SWITCHES)}
+           "all-on": tuple(OFF_SWITCHES), "all-on-2paths": tuple(OFF_SWITCHES),
+           "all-on-nocc": ("alternate", "delayed", "rebalance")}
 
 
 def probe(path: str, size_mb: int) -> dict:
@@ -68,9 +74,12 @@ def probe(path: str, size_mb: int) -> dict:
 
 
 def split_name(name: str):
-    """``all-on@9.6`` -> (``all-on``, 9.6); ``all-on`` -> (``all-on``, None)."""
-    base, _, cache = name.partition("@")
-    return base, float(cache) if cache else None
+    """``all-on@9.6x2`` -> (``all-on``, 9.6, 2); ``all-on`` -> (``all-on``, None, 1)."""
+    match = re.fullmatch(r"([a-z0-9-]+?)(?:@([0-9.]+))?(?:x([0-9]+))?", name)
+    if match is None:
+        raise SystemExit(f"bad configuration name {name!r}: NAME[@CACHE_GB][xGPUS]")
+    base, cache, nproc = match.groups()
+    return base, float(cache) if cache else None, int(nproc) if nproc else 1
 
 
 def run_measured(cmd, a, **kwargs):
@@ -94,7 +103,7 @@ def run_measured(cmd, a, **kwargs):
 
 def config_args(name: str, a, bandwidth: dict) -> list:
     """pretrain_gpt.py flags of one configuration."""
-    name, cache_gb = split_name(name)
+    name, cache_gb, _ = split_name(name)
     if name == "no-offload":
         return []
     if name == "mcore-offload":
@@ -117,19 +126,26 @@ def config_args(name: str, a, bandwidth: dict) -> list:
 def run_config(name: str, a, bandwidth: dict) -> dict:
     """Runs one configuration; returns its summary (step times, breakdown, I/O floor)."""
     extra = config_args(name, a, bandwidth)
+    nproc = split_name(name)[2]
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
-        cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *REFERENCE, *extra,
+        cmd = [*launch, str(ROOT / "pretrain_gpt.py"), *REFERENCE, *extra,
                "--train-iters", str(a.iters), "--metrics-path", str(metrics)]
         print(f"== {name}: {' '.join(shlex.quote(x) for x in extra)}", flush=True)
         returncode, output, peak_rss = run_measured(cmd, a, cwd=ROOT)
         records = ([json.loads(line) for line in metrics.read_text().splitlines()
                     if "lm_loss" in line] if metrics.exists() else [])
-    result = {"config": name, "args": extra, "returncode": returncode,
+    result = {"config": name, "args": extra, "nproc": nproc, "returncode": returncode,
               "peak_rss_gib": peak_rss}
     if returncode != 0 or len(records) <= a.warmup:
-        result["tail"] = output.strip().splitlines()[-25:]
-        print("\n".join(result["tail"][-8:]), flush=True)
+        lines = output.strip().splitlines()
+        result["tail"] = lines[-25:]
+        # torchrun's own report ends the output; the rank's one-line error comes before it.
+        result["errors"] = [x for x in lines if x.lower().startswith("error:")][:4]
+        print("\n".join(result["errors"] + result["tail"][-8:]), flush=True)
         return result
     measured = records[a.warmup:]
     result["step_s"] = summarize([r["time/iteration_s"] for r in measured])
@@ -144,14 +160,15 @@ def run_config(name: str, a, bandwidth: dict) -> dict:
         result["offload"] = offload
         floor = 0.0
         paths = [a.disk] + ([a.second_path] if split_name(name)[0] == "all-on-2paths" else [])
+        # Rank 0's bytes; the other ranks move as many over the same paths.
         for i, path in enumerate(paths):
             bw = bandwidth[path]
             floor += (offload.get(f"offload/path{i}_read_bytes", 0.0) / (bw["read_gbps"] * 1e9)
                       + offload.get(f"offload/path{i}_write_bytes", 0.0)
                       / (bw["write_gbps"] * 1e9))
         if floor:
-            result["io_floor_s"] = floor
-            result["update_over_floor"] = result["optimizer_s"]["median"] / floor
+            result["io_floor_s"] = floor * nproc
+            result["update_over_floor"] = result["optimizer_s"]["median"] / (floor * nproc)
     s = result["step_s"]
     print(f"   step s min/median/mean/max {s['min']:.3f}/{s['median']:.3f}/{s['mean']:.3f}/"
           f"{s['max']:.3f} (n={s['n']}), optimizer median {result['optimizer_s']['median']:.3f}"

@@ -22,6 +22,9 @@ record per iteration; and DeepSpeed's peer bundle (zero_infinity_bench.py, from
                           --zenflow-update-interval S (ZeRO-2, overlap_step; the bundle
                           fixes DeepSpeed's select_interval at 16 steps)
 
+``zenflow@N`` is zenflow with N staging slots (MEGATRON_EXT_ZENFLOW_STAGING_SLOTS=N: the
+host adds up to N-1 steps' gradients in one pass); a run may be listed more than once.
+
 Measurement rules. ZenFlow's CPU update runs in the background over a window of S steps
 and its result is waited for at the window's boundary, so the median step hides the stall
 at the boundary: the step time reported is the MEAN over whole windows (median, min, max
@@ -118,8 +121,23 @@ def pretrain_args(shape: dict, a) -> list:
     return args + ["--device", a.device, "--seed", str(a.seed)]
 
 
+def base_config(name: str) -> str:
+    """``zenflow@5`` -> ``zenflow``."""
+    return name.partition("@")[0]
+
+
+def config_env(name: str) -> dict:
+    """The environment of one configuration's run (``zenflow@N``: N staging slots)."""
+    env = dict(os.environ)
+    _, _, slots = name.partition("@")
+    if slots:
+        env["MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"] = slots
+    return env
+
+
 def config_args(name: str, a) -> list:
     """pretrain_gpt.py flags of one megatron_ext configuration."""
+    name = base_config(name)
     if name == "no-offload":
         return []
     if name == "mcore-offload":
@@ -164,7 +182,7 @@ def run_config(name: str, a, shape: dict, base: list) -> dict:
         cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *base, *extra,
                "--train-iters", str(dropped + measured_n), "--metrics-path", str(metrics)]
         print(f"== {name}: {' '.join(shlex.quote(x) for x in extra)}", flush=True)
-        returncode, output, peak_rss = run_measured(cmd, a, cwd=ROOT)
+        returncode, output, peak_rss = run_measured(cmd, a, cwd=ROOT, env=config_env(name))
         records = ([json.loads(line) for line in metrics.read_text().splitlines()
                     if "lm_loss" in line] if metrics.exists() else [])
     result = {"config": name, "args": extra,
@@ -188,7 +206,7 @@ def run_config(name: str, a, shape: dict, base: list) -> dict:
            if "memory/gpu_max_allocated_gib" in r]
     result["gpu_max_allocated_gib"] = max(gpu) if gpu else None
     result.update(model_params(output, records, shape))
-    if name == "zenflow":
+    if base_config(name) == "zenflow":
         pcie = [r["zenflow/d2h_bytes"] + r["zenflow/h2d_bytes"] for r in measured]
         k, s, m = a.topk, a.interval, result["params"]
         result["zenflow"] = {
@@ -296,7 +314,7 @@ def add_ratios(results: dict) -> None:
             continue
         if "no-offload" in means:
             run["mean_over_no_offload"] = run["step_s"]["mean"] / means["no-offload"]
-        if run["config"] == "zenflow":
+        if base_config(run["config"]) == "zenflow":
             for other in ("mcore-offload", "host-only", "deepspeed-zenflow",
                           "deepspeed-zero-offload"):
                 if other in means:
@@ -341,12 +359,12 @@ def print_table(results: dict) -> None:
               f"{fmt(run.get('final_loss'), '.4f')} | {fmt(z.get('stall_share'), '.1%')} | "
               f"{fmt(z.get('cpu_update_bg_s_mean'))} | {pcie} |")
     for run in results["runs"]:
-        if run["config"] != "zenflow" or "step_s" not in run:
+        if base_config(run["config"]) != "zenflow" or "step_s" not in run:
             continue
         ratios = [f"{key[len('mean_over_'):]} x{value:.2f}" for key, value in run.items()
                   if key.startswith("mean_over_")]
         z = run["zenflow"]
-        print(f"zenflow mean step over: {', '.join(ratios) or '-'}; mean step by position in "
+        print(f"{run['config']} mean step over: {', '.join(ratios) or '-'}; mean step by position in "
               f"the window (s): {' / '.join(f'{t:.3f}' for t in z['window_profile_s'])}; "
               f"M = {run['params']} ({run['params_source']})")
     for run in results["runs"]:
@@ -395,9 +413,11 @@ def main() -> int:
     p.add_argument("--output", required=True, help="results JSON (rewritten after each run)")
     a = p.parse_args()
     configs = [c for c in a.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if base_config(c) not in CONFIGS
+               or (c != base_config(c) and (base_config(c) != "zenflow"
+                                            or not c.partition("@")[2].isdigit()))]
     if unknown:
-        p.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
+        p.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, zenflow@N")
     if a.interval < 1 or a.windows < 1 or a.warmup_windows < 0:
         p.error("--interval and --windows must be >= 1, --warmup-windows >= 0")
     shape = TINY if a.tiny else reference_shape()

@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -89,9 +89,9 @@ def _build() -> Optional[ctypes.CDLL]:
     lib = ctypes.CDLL(str(target))
     fn = lib.mext_accumulate
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                   ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -111,6 +111,10 @@ def load() -> Optional[ctypes.CDLL]:
         return _loaded
 
 
+MAX_STEPS = 64
+"""Gradients one call can add (the C kernel's MAX_STEPS)."""
+
+
 def supports(acc: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether :func:`accumulate` can take these tensors."""
     return (acc.dtype == torch.float32 and grad.dtype in _DTYPES and acc.device.type == "cpu"
@@ -126,12 +130,31 @@ def accumulate(lib: ctypes.CDLL, acc: torch.Tensor, grad: torch.Tensor, *,
     ``None`` leaves a factor out. The same roundings as torch's ``copy_`` to fp32,
     ``mul_``, ``mul_``, ``add_`` and ``div_`` in that order.
     """
-    if not supports(acc, grad):
+    accumulate_steps(lib, acc, [grad], [inv_scale], [clip], first=first, divisor=divisor,
+                     threads=threads)
+
+
+def accumulate_steps(lib: ctypes.CDLL, acc: torch.Tensor, grads: Sequence[torch.Tensor],
+                     inv_scales: Sequence[Optional[float]], clips: Sequence[Optional[float]],
+                     *, first: bool, divisor: Optional[int], threads: int) -> None:
+    """:func:`accumulate` of several steps' ``grads`` (one dtype) in one pass over ``acc``.
+
+    Bit for bit what one :func:`accumulate` per step gives (``first`` applies to the first
+    step, ``divisor`` after the last), reading and writing the accumulator once.
+    """
+    count = len(grads)
+    if not 1 <= count <= MAX_STEPS or len(inv_scales) != count or len(clips) != count:
+        raise ValueError(f"accumulate_steps: 1 to {MAX_STEPS} grads, one scale and one clip "
+                         "factor each")
+    if any(not supports(acc, g) for g in grads) or len({g.dtype for g in grads}) != 1:
         raise ValueError("accumulate: needs contiguous CPU tensors of equal size, fp32 "
-                         "accumulator, fp32/bf16/fp16 gradient")
+                         "accumulator, fp32/bf16/fp16 gradients of one dtype")
+    pointers = (ctypes.c_void_p * count)(*[g.data_ptr() for g in grads])
+    has_inv = (ctypes.c_int * count)(*[int(x is not None) for x in inv_scales])
+    inv = (ctypes.c_float * count)(*[float(x) if x is not None else 1.0 for x in inv_scales])
+    has_clip = (ctypes.c_int * count)(*[int(x is not None) for x in clips])
+    clip = (ctypes.c_float * count)(*[float(x) if x is not None else 1.0 for x in clips])
     lib.mext_accumulate(
-        acc.data_ptr(), grad.data_ptr(), _DTYPES[grad.dtype], acc.numel(),
-        int(inv_scale is not None), float(inv_scale if inv_scale is not None else 1.0),
-        int(clip is not None), float(clip if clip is not None else 1.0), int(first),
-        int(divisor is not None), float(divisor if divisor is not None else 1.0),
-        max(1, int(threads)))
+        acc.data_ptr(), pointers, _DTYPES[grads[0].dtype], count, acc.numel(), has_inv, inv,
+        has_clip, clip, int(first), int(divisor is not None),
+        float(divisor if divisor is not None else 1.0), max(1, int(threads)))

@@ -1,9 +1,11 @@
 """ZenFlow's CPU side: the delayed columns' fp32 states, accumulators and Adam.
 
-Two single-thread pools keep the order simple: the accumulate thread adds each step's
+Two single-thread pools keep the order simple: the accumulate thread adds the steps'
 gradients (arriving in the training dtype) into the open window's fp32 accumulator, in
 step order; the update thread runs Adam on a closed window once its last accumulation is
-done. Windows alternate between two accumulators, so window ``w + 1`` accumulates while
+done. Steps are added a few at a time (``batch_steps``, at most up to the window's end):
+one pass reads and writes the accumulator once for all of them, which is what the host's
+memory bandwidth, shared with the previous window's Adam, pays for. Windows alternate between two accumulators, so window ``w + 1`` accumulates while
 window ``w`` is being applied; the optimizer waits for window ``w``'s update before it
 closes window ``w + 1``, so an accumulator is never written while it is read.
 
@@ -55,6 +57,19 @@ def default_threads() -> int:
     return int(value)
 
 
+class _StepFuture(Future):
+    """A step's accumulation; waiting for one that is still queued starts its batch."""
+
+    def __init__(self, owner: "CpuSide"):
+        super().__init__()
+        self._owner = owner
+
+    def result(self, timeout=None):
+        if not self.done():
+            self._owner.kick()
+        return super().result(timeout)
+
+
 class CpuSide:
     """fp32 master, Adam moments and two accumulators per param group, on the host.
 
@@ -83,6 +98,10 @@ class CpuSide:
         self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc")
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-adam")
         self._last_acc: Optional[Future] = None
+        self._queued: List[tuple] = []
+        """Steps whose accumulation has not been submitted yet (one batch, one buffer)."""
+        self.batch_steps = 1
+        """Steps added in one pass (the owner sets it; a window's last step ends a batch)."""
         self._update: Optional[Future] = None
         self.jitter = float(os.environ.get(JITTER_ENV, "0") or 0)
         self._random = random.Random(1234)
@@ -176,41 +195,86 @@ class CpuSide:
         accumulator (``0 + grad``: no zeroing pass); with ``last`` (the window's last step)
         the sum is divided by the window's step count on the way (the mean Adam takes; no
         separate division pass).
+
+        The step is queued until ``batch_steps`` steps are, or ``last``, or someone waits
+        for it (the returned future's ``result``, :meth:`kick`, :meth:`wait_accumulate`):
+        then the queued steps are added in one pass, in step order, with the same roundings
+        as one pass per step.
         """
+        if self._queued and self._queued[0][0] != buffer:
+            self.kick()
+        future = _StepFuture(self)
+        inv = float(inv_scale) if inv_scale is not None else None
+        clip = float(clip_coeff) if clip_coeff is not None else None
+        self._queued.append((buffer, grads, inv, clip, ready, done, last, future))
+        if last or len(self._queued) >= max(1, self.batch_steps):
+            self.kick()
+        return future
+
+    def kick(self) -> None:
+        """Submits the queued steps' accumulation (one pass) to the accumulate thread."""
+        with self.lock:
+            batch, self._queued = self._queued, []
+        if not batch:
+            return
+
         def task():
-            if ready is not None:
-                ready()
-            first = self.acc_steps[buffer] == 0
-            count = self.acc_steps[buffer] + 1
-            divisor = count if last and count > 1 else None
-            inv = float(inv_scale) if inv_scale is not None else None
-            for group, grad in grads.items():
-                self._add_fp32(self.acc[buffer][group], grad, inv, clip_coeff, first, divisor)
-            self.acc_steps[buffer] = count
-            self.acc_is_mean[buffer] = last
-            if done is not None:
-                done()
+            try:
+                for entry in batch:
+                    if entry[4] is not None:
+                        entry[4]()
+                self._add_steps(batch)
+            except BaseException as exc:
+                for entry in batch:
+                    entry[7].set_exception(exc)
+                raise
+            for entry in batch:
+                if entry[5] is not None:
+                    entry[5]()
+                entry[7].set_result(None)
         self._last_acc = self._acc_pool.submit(self._timed("accumulate", task))
-        return self._last_acc
 
-    def _add_fp32(self, acc: torch.Tensor, grad: torch.Tensor, inv_scale: Optional[float],
-                  clip_coeff: Optional[float], first: bool, divisor: Optional[int]) -> None:
-        """``acc = ((0 if first else acc) + unscale_and_clip(fp32(grad))) / divisor``.
+    def _add_steps(self, batch: List[tuple]) -> None:
+        """Adds the batch's steps (one buffer, step order) into its accumulator."""
+        buffer = batch[0][0]
+        first = self.acc_steps[buffer] == 0
+        count = self.acc_steps[buffer] + len(batch)
+        last = batch[-1][6]
+        divisor = count if last and count > 1 else None
+        invs = [entry[2] for entry in batch]
+        clips = [entry[3] for entry in batch]
+        for group, acc in self.acc[buffer].items():
+            grads = [entry[1][group] for entry in batch if group in entry[1]]
+            if len(grads) != len(batch):
+                raise RuntimeError(f"param group {group}: grads missing from a queued step")
+            self._add_fp32(acc, grads, invs, clips, first, divisor)
+        self.acc_steps[buffer] = count
+        self.acc_is_mean[buffer] = last
 
-        One pass of the C kernel (runtime/host_kernels.py) where it is available; else
-        torch, a chunk at a time through a reused buffer. Both give the same roundings as
-        converting the whole gradient first, multiplying, adding and dividing.
+    def _add_fp32(self, acc: torch.Tensor, grads: List[torch.Tensor],
+                  inv_scales: List[Optional[float]], clips: List[Optional[float]],
+                  first: bool, divisor: Optional[int]) -> None:
+        """``acc = ((0 if first else acc) + sum of unscale_and_clip(fp32(grad))) / divisor``.
+
+        The steps' grads are added in order. One pass of the C kernel
+        (runtime/host_kernels.py) where it is available; else torch, a step and a chunk at
+        a time through a reused buffer. Both give the same roundings as converting each
+        whole gradient first, multiplying, adding and dividing.
         """
-        if self._kernels is not None and host_kernels.supports(acc, grad):
-            host_kernels.accumulate(self._kernels, acc, grad, inv_scale=inv_scale,
-                                    clip=clip_coeff, first=first, divisor=divisor,
-                                    threads=self.threads)
+        if self._kernels is not None and all(host_kernels.supports(acc, g) for g in grads):
+            for start in range(0, len(grads), host_kernels.MAX_STEPS):
+                end = start + host_kernels.MAX_STEPS
+                host_kernels.accumulate_steps(
+                    self._kernels, acc, grads[start:end], inv_scales[start:end],
+                    clips[start:end], first=first and start == 0,
+                    divisor=divisor if end >= len(grads) else None, threads=self.threads)
             return
         if first:
             acc.zero_()
-        if grad.dtype == torch.float32 and inv_scale is None and clip_coeff is None:
-            acc.add_(grad)
-        else:
+        for grad, inv_scale, clip_coeff in zip(grads, inv_scales, clips):
+            if grad.dtype == torch.float32 and inv_scale is None and clip_coeff is None:
+                acc.add_(grad)
+                continue
             scratch = getattr(self._scratch, "buffer", None)
             if scratch is None:
                 scratch = self._scratch.buffer = torch.empty(ACCUMULATE_CHUNK)
@@ -237,6 +301,7 @@ class CpuSide:
 
     def submit_update(self, buffer: int, window: int, hparams: List[dict]) -> Future:
         """Starts Adam on the window in ``buffer`` (after its last accumulation)."""
+        self.kick()
         last = self._last_acc
         hp = [dict(h) for h in hparams]
 
@@ -282,7 +347,8 @@ class CpuSide:
         self._consumed(buffer)
 
     def wait_accumulate(self) -> None:
-        """Until every submitted accumulation is done."""
+        """Until every accumulation, queued or submitted, is done."""
+        self.kick()
         if self._last_acc is not None:
             self._last_acc.result()
 
@@ -300,7 +366,8 @@ class CpuSide:
         return self._update is not None
 
     def close(self) -> None:
-        """Finishes the submitted tasks and stops the threads."""
+        """Finishes the queued and submitted tasks and stops the threads."""
+        self.kick()
         for pool in (self._acc_pool, self._update_pool):
             pool.shutdown(wait=True)
 

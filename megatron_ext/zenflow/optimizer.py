@@ -122,9 +122,11 @@ class ZenFlowEngine:
         self.retention = float("nan")
         # Pinned staging for the delayed grads: staging_slots() steps' worth, so that the
         # training loop waits only when the accumulate thread is that many steps behind
-        # (it falls behind for a step or two while the CPU Adam of a window shares memory
-        # bandwidth with it).
+        # (it falls behind while the CPU Adam of a window shares memory bandwidth with it).
         self._slots = staging_slots()
+        # The accumulate thread adds up to slots - 1 steps in one pass (each pass reads and
+        # writes the fp32 accumulator once), keeping a slot free for the loop's next step.
+        self.cpu.batch_steps = max(1, self._slots - 1)
         self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(self._slots)]
         self._stage_free: List[Optional[object]] = [None] * self._slots
         self._slot = 0

@@ -55,6 +55,44 @@ def test_accumulate_equals_torch_bitwise(dtype, inv, clip, first, divisor, threa
 
 
 @needs_lib
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("count", [2, 3, 5])
+@pytest.mark.parametrize("first,divisor", [(True, None), (False, 4), (True, 5)])
+def test_accumulate_steps_equals_one_step_at_a_time(dtype, count, first, divisor):
+    """Several steps in one pass: the roundings of adding them one after the other."""
+    gen = torch.Generator().manual_seed(11 + count)
+    n = 70_001  # several L1 blocks and slabs, with a ragged tail
+    scale = torch.logspace(-20, 20, n, base=2.0)
+    grads = [(torch.randn(n, generator=gen) * scale.roll(k * 977)).to(dtype)
+             for k in range(count)]
+    grads[0][:9] = special_values(dtype)
+    # Each step its own loss scale and clip factor, some left out.
+    invs = [None if k % 3 == 1 else 2.0 ** -(k + 3) for k in range(count)]
+    clips = [None if k % 2 else 0.3 + 0.1 * k for k in range(count)]
+    acc = torch.randn(n, generator=gen) * scale.flip(0)
+    expected = acc.clone()
+    for k in range(count):
+        expected = torch_reference(expected, grads[k], invs[k], clips[k], first and k == 0,
+                                   divisor if k == count - 1 else None)
+    out = acc.clone()
+    host_kernels.accumulate_steps(LIB, out, grads, invs, clips, first=first, divisor=divisor,
+                                  threads=3)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+
+
+@needs_lib
+def test_accumulate_steps_refuses_bad_batches():
+    acc = torch.zeros(8)
+    with pytest.raises(ValueError, match="1 to 64 grads"):
+        host_kernels.accumulate_steps(LIB, acc, [], [], [], first=True, divisor=None,
+                                      threads=1)
+    with pytest.raises(ValueError, match="of one dtype"):
+        host_kernels.accumulate_steps(
+            LIB, acc, [torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)], [None, None],
+            [None, None], first=True, divisor=None, threads=1)
+
+
+@needs_lib
 def test_accumulate_refuses_tensors_it_cannot_take():
     acc = torch.zeros(8)
     with pytest.raises(ValueError, match="contiguous CPU tensors of equal size"):

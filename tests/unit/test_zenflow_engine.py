@@ -261,6 +261,42 @@ def test_engine_equals_reference(case, dtype, kernels, monkeypatch):
     assert engine.retention == engine.retention  # re-selected at least once: not NaN
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("slots", [1, 2, 5, 9])
+def test_batched_accumulation_equals_reference(slots, kernels, monkeypatch):
+    """Steps added a few at a time (slots - 1 per pass, cut at window ends): same results."""
+    if kernels == "torch":
+        monkeypatch.setattr(host_kernels, "load", lambda: None)
+    elif host_kernels.load() is None:
+        pytest.skip("no C compiler: the host kernels cannot be built")
+    monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_STAGING_SLOTS", str(slots))
+    for case in ("S4-k0.1-reselect8", "S3-k0.25-reselect6-warmup2"):
+        cfg = ZenFlowConfig(zenflow=True, **CASES[case])
+        engine, shards, ref, _ = run_both(cfg, torch.bfloat16, steps=25)
+        assert engine.cpu.batch_steps == max(1, slots - 1)
+        assert_same(engine, shards, ref)
+
+
+def test_queued_steps_are_added_when_waited_for():
+    """A step still queued (its batch not full) is added when its future is waited for."""
+    cpu = cpu_worker.CpuSide({0: 5}, torch.float32, pin=False)
+    try:
+        cpu.batch_steps = 4
+        first = cpu.accumulate(0, {0: torch.ones(5)}, None, None)
+        second = cpu.accumulate(0, {0: torch.full((5,), 2.0)}, None, 0.5)
+        assert not first.done() and not second.done()
+        first.result(timeout=30)  # starts the batch: both steps, one pass
+        assert second.result(timeout=30) is None
+        assert cpu.acc_steps[0] == 2
+        assert torch.equal(cpu.acc[0][0], torch.full((5,), 2.0))
+        last = cpu.accumulate(0, {0: torch.full((5,), 4.0)}, None, None, last=True)
+        last.result(timeout=30)  # a window's last step never waits for a full batch
+        assert torch.equal(cpu.acc[0][0], torch.full((5,), 2.0))  # (1 + 1 + 4) / 3
+        assert cpu.acc_is_mean[0]
+    finally:
+        cpu.close()
+
+
 def test_selection_changes_sides():
     """The cases above really move columns: the selected set changes between selections."""
     cfg = ZenFlowConfig(zenflow=True, **CASES["S3-k0.25-reselect6-warmup2"])
