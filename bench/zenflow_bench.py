@@ -364,8 +364,9 @@ def print_table(results: dict) -> None:
         ratios = [f"{key[len('mean_over_'):]} x{value:.2f}" for key, value in run.items()
                   if key.startswith("mean_over_")]
         z = run["zenflow"]
-        print(f"{run['config']} mean step over: {', '.join(ratios) or '-'}; mean step by position in "
-              f"the window (s): {' / '.join(f'{t:.3f}' for t in z['window_profile_s'])}; "
+        profile = " / ".join(f"{t:.3f}" for t in z["window_profile_s"])
+        print(f"{run['config']} mean step over: {', '.join(ratios) or '-'}; mean step by "
+              f"position in the window (s): {profile}; "
               f"M = {run['params']} ({run['params_source']})")
     for run in results["runs"]:
         if "window_profile_s" in run:

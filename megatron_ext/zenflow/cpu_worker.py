@@ -5,9 +5,10 @@ gradients (arriving in the training dtype) into the open window's fp32 accumulat
 step order; the update thread runs Adam on a closed window once its last accumulation is
 done. Steps are added a few at a time (``batch_steps``, at most up to the window's end):
 one pass reads and writes the accumulator once for all of them, which is what the host's
-memory bandwidth, shared with the previous window's Adam, pays for. Windows alternate between two accumulators, so window ``w + 1`` accumulates while
-window ``w`` is being applied; the optimizer waits for window ``w``'s update before it
-closes window ``w + 1``, so an accumulator is never written while it is read.
+memory bandwidth, shared with the previous window's Adam, pays for. Windows alternate
+between two accumulators, so window ``w + 1`` accumulates while window ``w`` is being
+applied; the optimizer waits for window ``w``'s update before it closes window ``w + 1``,
+so an accumulator is never written while it is read.
 
 torch's CPU kernels release the GIL, so both threads run beside the training loop.
 """
