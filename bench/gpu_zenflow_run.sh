@@ -7,6 +7,7 @@
 #   OUT=/dir TESTS=tests/gpu/test_gpu_zenflow.py CONFIGS=no-offload,mcore-offload,host-only,zenflow \
 #       bash bench/gpu_zenflow_run.sh
 #   OUT=/dir CONFIGS=zenflow,deepspeed-zero-offload,deepspeed-zenflow bash bench/gpu_zenflow_run.sh
+# TESTS_LAST=1: the tests after the benchmark; TESTS_TIMEOUT: seconds for them (600).
 # CONFIGS unset: all six; CONFIGS= (empty): no benchmark (tests only). BENCH_ARGS: more
 # zenflow_bench.py flags (--topk, --interval, --windows, ...). DS_SETUP=full: the bundle's
 # whole setup_on_gpu.sh (also builds async_io, ~1 min more); by default only its install
@@ -36,10 +37,13 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 CONFIGS="${CONFIGS-no-offload,mcore-offload,host-only,zenflow,deepspeed-zero-offload,deepspeed-zenflow}"
-if [ -n "${TESTS:-}" ]; then
-  echo "== pytest $TESTS"
-  python3 -m pytest -q $TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
-fi
+run_tests() {
+  [ -n "${TESTS:-}" ] || return 0
+  echo "== pytest $TESTS ($(date -u +%H:%M:%S))"
+  timeout "${TESTS_TIMEOUT:-600}" python3 -m pytest -q $TESTS -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests.txt" | tail -15
+}
+[ -n "${TESTS_LAST:-}" ] || run_tests
 if [ -n "$CONFIGS" ]; then
   case "$CONFIGS" in *deepspeed*)
     echo "== DeepSpeed setup ($(date -u +%H:%M:%S))"
@@ -59,3 +63,4 @@ print('[dsbundle] cpu_adam ok (%.0f s)' % (time.time() - t))"); } \
       --deepspeed-bundle .peers/deepspeed ${BENCH_ARGS:-} 2>&1 | tee "$OUT/zenflow_bench.txt" | tail -30
   echo "== done ($(date -u +%H:%M:%S))"
 fi
+[ -z "${TESTS_LAST:-}" ] || run_tests
