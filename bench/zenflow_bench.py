@@ -23,7 +23,9 @@ record per iteration; and DeepSpeed's peer bundle (zero_infinity_bench.py, from
                           fixes DeepSpeed's select_interval at 16 steps)
 
 ``zenflow@N`` is zenflow with N staging slots (MEGATRON_EXT_ZENFLOW_STAGING_SLOTS=N: the
-host adds up to N-1 steps' gradients in one pass); a run may be listed more than once.
+host adds up to N-1 steps' gradients in one pass); ``:VAR=VALUE`` after a megatron_ext
+configuration's name sets an environment variable of its run (``zenflow:OMP_NUM_THREADS=8``);
+a configuration may be listed more than once.
 
 Measurement rules. ZenFlow's CPU update runs in the background over a window of S steps
 and its result is waited for at the window's boundary, so the median step hides the stall
@@ -122,17 +124,30 @@ def pretrain_args(shape: dict, a) -> list:
 
 
 def base_config(name: str) -> str:
-    """``zenflow@5`` -> ``zenflow``."""
-    return name.partition("@")[0]
+    """``zenflow@5:OMP_NUM_THREADS=8`` -> ``zenflow``."""
+    return name.split(":")[0].partition("@")[0]
 
 
 def config_env(name: str) -> dict:
-    """The environment of one configuration's run (``zenflow@N``: N staging slots)."""
+    """The environment of one configuration's run (``@N``: N staging slots; ``:VAR=VALUE``)."""
     env = dict(os.environ)
-    _, _, slots = name.partition("@")
+    head, *assignments = name.split(":")
+    _, _, slots = head.partition("@")
     if slots:
         env["MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"] = slots
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        env[key] = value
     return env
+
+
+def bad_config(name: str) -> bool:
+    """Not a configuration: an unknown base, ``@`` not on zenflow, a malformed suffix."""
+    head, *assignments = name.split(":")
+    base, at, slots = head.partition("@")
+    return (base not in CONFIGS or (at and (base != "zenflow" or not slots.isdigit()))
+            or (assignments and base.startswith("deepspeed-"))
+            or any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", x) for x in assignments))
 
 
 def config_args(name: str, a) -> list:
@@ -414,11 +429,10 @@ def main() -> int:
     p.add_argument("--output", required=True, help="results JSON (rewritten after each run)")
     a = p.parse_args()
     configs = [c for c in a.configs.split(",") if c]
-    unknown = [c for c in configs if base_config(c) not in CONFIGS
-               or (c != base_config(c) and (base_config(c) != "zenflow"
-                                            or not c.partition("@")[2].isdigit()))]
+    unknown = [c for c in configs if bad_config(c)]
     if unknown:
-        p.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, zenflow@N")
+        p.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, zenflow@N, "
+                f"NAME:VAR=VALUE")
     if a.interval < 1 or a.windows < 1 or a.warmup_windows < 0:
         p.error("--interval and --windows must be >= 1, --warmup-windows >= 0")
     shape = TINY if a.tiny else reference_shape()

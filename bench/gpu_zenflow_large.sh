@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The 6.7B GPT (32 layers, hidden 4096, seq 2048, micro-batch 1, bf16) fine-tuned with
+# ZenFlow (k=0.1, S=4) with its CPU side's states in the offload engine's tiers: a host
+# cache of CACHE_GB and the rest on the root disk (O_DIRECT). Sized for the H200 machine
+# (125 GiB RAM, 64 GiB free disk): the CPU side holds ~5.9G delayed elements: accumulators
+# 8 B, upload 2 B and one staging slot 2 B each in host memory (~71 GB), fp32 master and
+# moments 12 B each (~71 GB) in the tiers. Writes $OUT/zenflow6.7b.{jsonl,txt} and
+# $OUT/memory.txt (free -g and the disk every 15 s).
+# Usage (repository root, on the GPU machine; carry .whl): OUT=/dir bash bench/gpu_zenflow_large.sh
+set -uo pipefail
+. "$(dirname "$0")/gpu_setup.sh"
+TIER="${TIER:-/var/tmp/zenflow-tier}"
+mkdir -p "$TIER"
+( while true; do { date -u +%H:%M:%S; free -g | sed -n 2p; df -h "$TIER" | tail -1; } \
+    >> "$OUT/memory.txt"; sleep 15; done ) &
+MONITOR=$!
+export MEGATRON_EXT_ZENFLOW_STAGING_SLOTS="${SLOTS:-1}"
+timeout "${LIMIT:-470}" python3 pretrain_gpt.py --num-layers 32 --hidden-size 4096 \
+    --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048 \
+    --micro-batch-size 1 --mock-data --vocab-size 32000 --bf16 --use-distributed-optimizer \
+    --lr 1e-5 --min-lr 1e-6 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0 \
+    --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 \
+    --zenflow --zenflow-topk-ratio 0.1 --zenflow-update-interval 4 \
+    --zenflow-select-interval 100 --offload-optimizer --offload-paths "$TIER" \
+    --offload-host-cache-gb "${CACHE_GB:-18}" --offload-direct-io --offload-io-threads 8 \
+    --train-iters "${ITERS:-8}" --metrics-path "$OUT/zenflow6.7b.jsonl" 2>&1 \
+    | grep -v "UserWarning\|warnings.warn\|return func" | tee "$OUT/zenflow6.7b.txt" | tail -25
+echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/zenflow6.7b.txt"
+kill $MONITOR
+tail -3 "$OUT/memory.txt"
