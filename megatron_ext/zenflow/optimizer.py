@@ -236,20 +236,13 @@ class ZenFlowEngine:
 
     def _to_host(self, slot: int, grads: Dict[int, torch.Tensor]):
         """Copies the compact grads into pinned staging on the D2H stream."""
-        from megatron_ext.offload.io import aligned_empty
-
+        self._ensure_staging()
         stage = self._stage[slot]
         out = {}
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
             for group, grad in grads.items():
-                buf = stage.get(group)
-                if buf is None or buf.numel() < grad.numel():
-                    # 1% headroom: re-selection changes the sizes a little.
-                    n = int(grad.numel() * 1.01) + 1
-                    buf = stage[group] = aligned_empty(n * grad.element_size(), grad.dtype,
-                                                       pin=True)
-                dst = buf[:grad.numel()]
+                dst = stage[group][:grad.numel()]
                 dst.copy_(grad, non_blocking=True)
                 grad.record_stream(self._d2h)
                 out[group] = dst
@@ -307,6 +300,26 @@ class ZenFlowEngine:
         self.selected = selected
         masks = {m.shard: local_mask(selected[m.shard], m) for m in self.matrices}
         self.gpu_plan, self.cpu_plan = build_plans(self.shards, self.matrices, masks, self.device)
+        if self.is_cuda:
+            self._ensure_staging()
+
+    def _ensure_staging(self) -> None:
+        """Pinned staging of every slot for the delayed grads of the plan in force.
+
+        All slots at once, when a selection is made: pinning gigabytes takes a second or
+        more, which a slot's first use would otherwise add to a training step. A slot is
+        replaced (with 1% headroom: re-selection changes the sizes a little) only when a
+        group outgrows it.
+        """
+        from megatron_ext.offload.io import aligned_empty
+
+        size = torch.empty((), dtype=self.grad_dtype).element_size()
+        for stage in self._stage:
+            for group, n in self.cpu_plan.sizes.items():
+                buf = stage.get(group)
+                if buf is None or buf.numel() < n:
+                    stage[group] = aligned_empty((int(n * 1.01) + 1) * size, self.grad_dtype,
+                                                 pin=True)
 
     def _build_states(self) -> None:
         """fp32 masters from the model weights, zero moments (megatron-core's start)."""
