@@ -58,6 +58,51 @@ def default_threads() -> int:
     return int(value)
 
 
+CPUS_ENV = "MEGATRON_EXT_ZENFLOW_CPUS"
+
+
+def host_cpus() -> Optional[set]:
+    """$MEGATRON_EXT_ZENFLOW_CPUS as a set of CPU numbers ("2-15", "1,3,8-11"), else None.
+
+    The CPU side's threads (accumulation, Adam, and the workers they start: the C kernel's
+    threads and torch's OpenMP team inherit the mask) run on these CPUs only, so that the
+    training loop's own thread, which launches the GPU's kernels, keeps the others. Must be
+    a non-empty subset of the CPUs this process may use.
+    """
+    value = os.environ.get(CPUS_ENV, "").strip()
+    if not value:
+        return None
+    allowed = os.sched_getaffinity(0)
+    cpus = set()
+    try:
+        for part in value.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if hi else int(lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise UsageError(f"{CPUS_ENV}={value}: give CPU numbers and ranges, e.g. 2-15 or "
+                         "1,3,8-11") from None
+    if not cpus <= allowed:
+        raise UsageError(f"{CPUS_ENV}={value}: CPUs {sorted(cpus - allowed)} are not available "
+                         f"to this process (it may use {_ranges(allowed)})")
+    return cpus
+
+
+def _ranges(cpus) -> str:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(cpu)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 class _StepFuture(Future):
     """A step's accumulation; waiting for one that is still queued starts its batch."""
 
@@ -96,8 +141,12 @@ class CpuSide:
         self.steps = 0
         """Adam steps taken by the CPU side (its bias correction counts these)."""
         self.resize(sizes)
-        self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc")
-        self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-adam")
+        self.cpus = host_cpus()
+        """CPUs of the CPU side's threads ($MEGATRON_EXT_ZENFLOW_CPUS), None: all."""
+        pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
+        self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc", initializer=pin)
+        self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-adam",
+                                               initializer=pin)
         self._last_acc: Optional[Future] = None
         self._queued: List[tuple] = []
         """Steps whose accumulation has not been submitted yet (one batch, one buffer)."""
@@ -110,6 +159,8 @@ class CpuSide:
         self.busy = {"accumulate": 0.0, "update": 0.0}
         self._kernels = host_kernels.load()
         self.threads = threads or default_threads()
+        if self.cpus and not os.environ.get(THREADS_ENV, "").strip():
+            self.threads = min(self.threads, len(self.cpus))
         """Threads of one accumulation (the C kernel's; torch's pool otherwise)."""
         self.trace: Optional[List[tuple]] = None
         """Test hook: when a list, each update appends (window, [per-group mean grads])."""

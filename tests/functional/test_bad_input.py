@@ -141,6 +141,10 @@ ENV_CASES = {
                                      "MEGATRON_EXT_ZENFLOW_THREADS=many: give a whole number"),
     "zenflow no staging slot": ({"MEGATRON_EXT_ZENFLOW_STAGING_SLOTS": "0"},
                                 "MEGATRON_EXT_ZENFLOW_STAGING_SLOTS=0: give a whole number"),
+    "zenflow cpus not a list": ({"MEGATRON_EXT_ZENFLOW_CPUS": "fast"},
+                                "MEGATRON_EXT_ZENFLOW_CPUS=fast: give CPU numbers and ranges"),
+    "zenflow cpus not available": ({"MEGATRON_EXT_ZENFLOW_CPUS": "0-4095"},
+                                   "are not available to this process"),
 }
 
 

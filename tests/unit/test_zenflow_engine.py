@@ -16,10 +16,13 @@ selected by gradient energy at step 1 and re-selected at window ends.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.optim.adam import adam
 
+from megatron_ext.errors import UsageError
 from megatron_ext.runtime import host_kernels
 from megatron_ext.training.sharded_optimizer import Shard
 from megatron_ext.zenflow import cpu_worker
@@ -295,6 +298,36 @@ def test_queued_steps_are_added_when_waited_for():
         assert cpu.acc_is_mean[0]
     finally:
         cpu.close()
+
+
+def test_host_threads_run_on_the_cpus_given(monkeypatch):
+    """MEGATRON_EXT_ZENFLOW_CPUS: the accumulate and Adam threads (and the workers they
+    start) run on those CPUs; the calling thread keeps its own mask."""
+    mine = os.sched_getaffinity(0)
+    chosen = {max(mine)}
+    monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", str(max(mine)))
+    monkeypatch.delenv("MEGATRON_EXT_ZENFLOW_THREADS", raising=False)
+    cpu = cpu_worker.CpuSide({0: 3}, torch.float32, pin=False)
+    try:
+        assert cpu.cpus == chosen and cpu.threads == 1
+        seen = [cpu._acc_pool.submit(os.sched_getaffinity, 0).result(timeout=30),
+                cpu._update_pool.submit(os.sched_getaffinity, 0).result(timeout=30)]
+        assert seen == [chosen, chosen]
+        assert os.sched_getaffinity(0) == mine
+    finally:
+        cpu.close()
+
+
+@pytest.mark.parametrize("value,cpus", [("0", {0}), ("0,0-0", {0}), (" 0 ", {0})])
+def test_host_cpus_parses_lists(monkeypatch, value, cpus):
+    monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", value)
+    if not cpus <= os.sched_getaffinity(0):
+        pytest.skip("CPU 0 is not available to this process")
+    assert cpu_worker.host_cpus() == cpus
+    monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", "3-1")
+    with pytest.raises(UsageError, match="give CPU numbers and ranges"):
+        cpu_worker.host_cpus()
+    assert cpu_worker._ranges({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
 
 
 def test_selection_changes_sides():
