@@ -89,14 +89,6 @@ class RunConfig:
             if opt.optimizer_cpu_offload:
                 raise UsageError("--zenflow and --optimizer-cpu-offload both move optimizer "
                                  "states to the host; choose one")
-            zf = self.zenflow
-            if self.offload.offload_optimizer and \
-                    zf.zenflow_select_interval < self.training.train_iters:
-                raise UsageError(
-                    f"--zenflow with --offload-optimizer keeps the columns selected at step 1 "
-                    f"(re-selection with the CPU side in the offload tiers is not supported): "
-                    f"set --zenflow-select-interval to at least --train-iters "
-                    f"{self.training.train_iters}")
             if opt.optimizer != "adam":
                 raise UsageError("--zenflow supports --optimizer adam only")
         model = self.model

@@ -139,6 +139,7 @@ class OffloadEngine:
         self.subgroups: List[Subgroup] = partition(numels, groups, cfg.offload_subgroup_size)
         self.fingerprint = layout_fingerprint(numels, groups, cfg.offload_subgroup_size)
         self.max_numel = max((sg.numel for sg in self.subgroups), default=0)
+        self._param_pieces: Optional[Dict[int, list]] = None
         self.total_numel = sum(numels)
         self.step_count = 0
         self.initialized = False
@@ -216,20 +217,19 @@ class OffloadEngine:
         per_buffer = self.max_numel * STATE_BYTES_PER_ELEMENT
         if cfg.offload_host_cache_gb is None:
             return None if not self.tiers else min(n, 3)
-        fits = int(cfg.offload_host_cache_gb * 1e9 // max(per_buffer, 1))
+        fits = int(round(cfg.offload_host_cache_gb * 1e9) // max(per_buffer, 1))
         if not self.tiers:
             if fits < n:
                 raise UsageError(
                     f"--offload-host-cache-gb {cfg.offload_host_cache_gb:g} holds {fits} of the "
                     f"{n} subgroups of this rank and there is no --offload-paths for the rest: "
-                    "give at least "
-                    f"{n * per_buffer / 1e9:.2f} GB, or add --offload-paths DIR")
+                    f"give at least {_gb(n * per_buffer)} GB, or add --offload-paths DIR")
             return None
         if fits < min(n, 3):
             raise UsageError(
                 f"--offload-host-cache-gb {cfg.offload_host_cache_gb:g} holds {fits} subgroups of "
-                f"{per_buffer / 1e9:.2f} GB; the pipeline needs 3: give at least "
-                f"{3 * per_buffer / 1e9:.2f} GB or a smaller --offload-subgroup-size")
+                f"{_gb(per_buffer)} GB; the pipeline needs 3: give at least "
+                f"{_gb(3 * per_buffer)} GB or a smaller --offload-subgroup-size")
         return min(n, fits)
 
     def _alloc_state(self) -> torch.Tensor:
@@ -438,15 +438,54 @@ class OffloadEngine:
 
     def initialize_from_model(self) -> None:
         """fp32 masters from the model's current weights; zero moments."""
+        def fill(param: int, start: int, length: int, views: List[torch.Tensor]) -> None:
+            views[0].copy_(self.params[param].init().reshape(-1)[start:start + length])
+            views[1].zero_()
+            views[2].zero_()
+        self.initialize_from(fill)
+
+    def initialize_from(self, fill: Callable[[int, int, int, List[torch.Tensor]], None],
+                        step: int = 0) -> None:
+        """Every state from ``fill(param, start, length, [master, exp_avg, exp_avg_sq])``.
+
+        ``fill`` writes elements ``[start, start + length)`` of shard parameter ``param``
+        into the three fp32 views; it is called piece by piece, a subgroup at a time, and
+        what the cache cannot keep is written out as it goes. ``step``: the Adam steps the
+        states have taken (their bias correction continues from it).
+        """
+        self.step_count = step
+        self.version = [step] * len(self.subgroups)
+
         def source(index: int, buffer: torch.Tensor) -> None:
             sg = self.subgroups[index]
             n = sg.numel
-            buffer[n:3 * n].zero_()
             for piece in sg.pieces:
-                src = self.params[piece.param].init().reshape(-1)
-                buffer[piece.offset:piece.offset + piece.length].copy_(
-                    src[piece.start:piece.start + piece.length])
+                fill(piece.param, piece.start, piece.length,
+                     [buffer[k * n + piece.offset:k * n + piece.offset + piece.length]
+                      for k in range(3)])
         self._fill(source)
+
+    def read_states(self, param: int, start: int, length: int,
+                    outs: Sequence[torch.Tensor]) -> None:
+        """Copies some of one shard parameter's states into ``outs``.
+
+        Elements ``[start, start + length)`` of parameter ``param``'s master, exp_avg and
+        exp_avg_sq go into the three tensors ``outs``; subgroups are fetched as needed.
+        """
+        if self._param_pieces is None:
+            self._param_pieces = {}
+            for index, sg in enumerate(self.subgroups):
+                for piece in sg.pieces:
+                    self._param_pieces.setdefault(piece.param, []).append((index, piece))
+        for index, piece in self._param_pieces.get(param, ()):
+            lo, hi = max(start, piece.start), min(start + length, piece.start + piece.length)
+            if lo >= hi:
+                continue
+            buffer = self._acquire_sync(index)
+            n = self.subgroups[index].numel
+            at = piece.offset + lo - piece.start
+            for k, out in enumerate(outs):
+                out[lo - start:hi - start].copy_(buffer[k * n + at:k * n + at + hi - lo])
 
     def reset_masters_from_model(self) -> None:
         """Rebuilds the fp32 masters from the model's weights, keeping the moments."""
@@ -769,6 +808,12 @@ class OffloadEngine:
                 with contextlib.suppress(OSError):
                     os.rmdir(os.path.dirname(directory))
         self.locks.close()
+
+
+def _gb(nbytes: float) -> str:
+    """Bytes as GB for messages: two decimals, or three significant digits below 0.01."""
+    value = nbytes / 1e9
+    return f"{value:.2f}" if value >= 0.01 else f"{value:.3g}"
 
 
 def _user() -> str:

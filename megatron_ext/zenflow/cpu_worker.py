@@ -437,28 +437,76 @@ class TieredCpuSide(CpuSide):
     def __init__(self, sizes: Dict[int, int], model_dtype: torch.dtype, pin: bool,
                  make_engine: Callable):
         self._make_engine = make_engine
+        """``make_engine(params, generation)``: an offload engine whose files do not collide
+        with those of another generation (re-selection fills a new engine from the old)."""
         self.engine = None
+        self._source = None
+        """(engine, its groups) that read_states reads while reselect fills a new engine."""
+        self.generation = 0
         self._buffer = 0
         self._init: Dict[int, torch.Tensor] = {}
         super().__init__(sizes, model_dtype, pin)
 
-    def resize(self, sizes: Dict[int, int]) -> None:
-        """A fresh engine for the per-group sizes; fresh accumulators."""
+    def _new_engine(self, sizes: Dict[int, int]):
         from megatron_ext.offload.engine import ShardParam
 
+        params = [ShardParam(numel=n, group=g, grad=lambda g=g: self.acc[self._buffer][g],
+                             out=self.upload[g], init=lambda g=g: self._init[g])
+                  for g, n in sorted(sizes.items())]
+        return self._make_engine(params, self.generation)
+
+    def resize(self, sizes: Dict[int, int]) -> None:
+        """A fresh engine for the per-group sizes; fresh accumulators."""
         self._fresh_window_buffers(sizes)
         if self.engine is not None:
             self.engine.close()
             self.engine = None
         if sizes:
-            params = [ShardParam(numel=n, group=g, grad=lambda g=g: self.acc[self._buffer][g],
-                                 out=self.upload[g], init=lambda g=g: self._init[g])
-                      for g, n in sorted(sizes.items())]
-            self.engine = self._make_engine(params)
+            self.engine = self._new_engine(sizes)
+
+    def read_states(self, group: int, start: int, length: int,
+                    outs: List[torch.Tensor]) -> None:
+        """Some of one group's states (fp32, in its compact order) into ``outs``.
+
+        Elements ``[start, start + length)`` of ``group``'s master, exp_avg and exp_avg_sq
+        go into the three tensors; during :meth:`reselect`, the replaced engine's.
+        """
+        engine, groups = self._source or (self.engine, sorted(self.sizes))
+        engine.read_states(groups.index(group), start, length, outs)
 
     def replace_states(self, sizes, states) -> None:
-        """Not supported: the engine's layout is fixed (no re-selection in this mode)."""
-        raise NotImplementedError("re-selection with the CPU side in the offload tiers")
+        """Not this mode's way: the states move with :meth:`reselect`."""
+        raise NotImplementedError("the CPU side in the offload tiers re-selects with reselect()")
+
+    def reselect(self, sizes: Dict[int, int],
+                 fill: Callable[[int, int, int, List[torch.Tensor]], None]) -> None:
+        """A new engine for the new per-group ``sizes``; then the old one and its files go.
+
+        Its states are written by ``fill(group, start, length, [master, exp_avg,
+        exp_avg_sq])``, which may read the old engine's with :meth:`read_states`.
+
+        Only between windows (every accumulator consumed). Both engines' files are on the
+        paths while the states move (each engine under its own directory); the Adam step
+        count carries over.
+        """
+        old = self.engine
+        self._source = (old, sorted(self.sizes)) if old is not None else None
+        self.generation += 1
+        self._fresh_window_buffers(sizes)
+        groups = sorted(sizes)
+        try:
+            if sizes:
+                self.engine = self._new_engine(sizes)
+                self.engine.initialize_from(
+                    lambda param, start, length, views: fill(groups[param], start, length,
+                                                             views),
+                    step=old.step_count if old is not None else 0)
+            else:
+                self.engine = None
+        finally:
+            self._source = None
+        if old is not None:
+            old.close()
 
     def set_masters(self, masters: Dict[int, torch.Tensor]) -> None:
         """The engine's masters from ``masters`` (zero moments on the first call)."""

@@ -271,11 +271,6 @@ class ZenFlowEngine:
 
     def _select(self, first: bool) -> None:
         """Selects the columns from the current grads; builds or moves the states."""
-        if not first and isinstance(self.cpu, TieredCpuSide):
-            # The config refuses this combination; nothing has changed yet when it raises.
-            raise UsageError("re-selection with ZenFlow's CPU side in the offload tiers is not "
-                             "supported; set --zenflow-select-interval to at least "
-                             "--train-iters")
         local = [torch.zeros(m.cols, dtype=torch.float64, device=self.device)
                  for m in self.all_matrices]
         for m in self.matrices:
@@ -340,6 +335,9 @@ class ZenFlowEngine:
 
     def _move_states(self, old_gpu: Plan, old_cpu: Plan) -> None:
         """Moves every state element to its side under the new plans, one kind at a time."""
+        if isinstance(self.cpu, TieredCpuSide):
+            self._move_states_tiered(old_gpu, old_cpu)
+            return
         groups = sorted({s.group for s in self.shards})
         new_cpu_sizes = dict(self.cpu_plan.sizes)
         cpu_new: Dict[str, Dict[int, torch.Tensor]] = {}
@@ -363,6 +361,76 @@ class ZenFlowEngine:
             self.gpu[kind] = gpu_new
             cpu_old.clear()
         self.cpu.replace_states(new_cpu_sizes, cpu_new)
+
+    def _move_states_tiered(self, old_gpu: Plan, old_cpu: Plan) -> None:
+        """The move with the CPU side's states in the offload engine.
+
+        One matrix segment (or 1-D parameter) at a time, its three states are assembled
+        from the old GPU buffers and the old engine, then cut by the new plans into the new
+        GPU buffers and a new engine. Nothing of the size of the CPU side's states is held
+        in host memory.
+        """
+        def units(plan: Plan) -> Dict[tuple, tuple]:
+            return {(p.shard, None if p.segment is None else p.segment.offset): (g, p)
+                    for g, pieces in plan.pieces.items() for p in pieces}
+
+        old_g, old_c = units(old_gpu), units(old_cpu)
+        last: Dict[str, object] = {"key": None, "states": None}
+
+        def assemble(key: tuple) -> List[torch.Tensor]:
+            """The unit's master, exp_avg and exp_avg_sq, fp32, on the host.
+
+            ``[rows, width]`` for a matrix segment, flat for a 1-D parameter.
+            """
+            if last["key"] == key:
+                return last["states"]
+            sources = [(side, unit) for side, unit in (("gpu", old_g.get(key)),
+                                                        ("cpu", old_c.get(key)))
+                       if unit is not None]
+            first = sources[0][1][1]
+            seg = first.segment
+            shape = (first.length,) if seg is None else (seg.rows, seg.width)
+            states = [torch.empty(shape, dtype=torch.float32) for _ in KINDS]
+            for side, (group, piece) in sources:
+                if side == "gpu":
+                    parts = [self.gpu[kind][group][piece.offset:piece.offset + piece.length]
+                             .cpu() for kind in KINDS]
+                else:
+                    parts = [torch.empty(piece.length) for _ in KINDS]
+                    self.cpu.read_states(group, piece.offset, piece.length, parts)
+                for state, part in zip(states, parts):
+                    if seg is None:
+                        state.copy_(part)
+                    else:
+                        state.index_copy_(1, piece.index_on(torch.device("cpu")),
+                                          part.view(seg.rows, -1))
+            last["key"], last["states"] = key, states
+            return states
+
+        def cut(piece, state: torch.Tensor) -> torch.Tensor:
+            if piece.segment is None:
+                return state
+            return state.index_select(1, piece.index_on(torch.device("cpu"))).reshape(-1)
+
+        gpu_new = {kind: {g: torch.empty(n, dtype=torch.float32, device=self.device)
+                          for g, n in self.gpu_plan.sizes.items()} for kind in KINDS}
+        for key, (group, piece) in units(self.gpu_plan).items():
+            for kind, state in zip(KINDS, assemble(key)):
+                gpu_new[kind][group][piece.offset:piece.offset + piece.length].copy_(
+                    cut(piece, state))
+        new_cpu = {g: [(p.offset, p) for p in pieces] for g, pieces in self.cpu_plan.pieces.items()}
+
+        def fill(group: int, start: int, length: int, views: List[torch.Tensor]) -> None:
+            for offset, piece in new_cpu.get(group, ()):
+                lo, hi = max(start, offset), min(start + length, offset + piece.length)
+                if lo >= hi:
+                    continue
+                key = (piece.shard, piece.segment.offset)
+                for view, state in zip(views, assemble(key)):
+                    view[lo - start:hi - start].copy_(cut(piece, state)[lo - offset:hi - offset])
+
+        self.cpu.reselect(dict(self.cpu_plan.sizes), fill)
+        self.gpu = gpu_new
 
     # ------------------------------------------------------------ model and checkpoints
 
@@ -492,11 +560,15 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
         if offload is not None:
             offload_config, run_id, tiers = offload
 
-            def make_cpu_engine(params):
+            def make_cpu_engine(params, generation=0):
                 from megatron_ext.offload.engine import OffloadEngine
 
+                # Each re-selection's engine in its own directory: the next one is filled
+                # from the previous one's files.
                 engine = OffloadEngine(offload_config, params, rank=rank,
-                                       device=torch.device("cpu"), tiers=tiers, run_id=run_id,
+                                       device=torch.device("cpu"), tiers=tiers,
+                                       run_id=run_id if not generation else
+                                       f"{run_id}.selection{generation}",
                                        model_dtype=self.model_dtype, grad_dtype=torch.float32)
                 # On GPU machines the CPU side takes torch's fused CPU Adam (see
                 # cpu_worker.adam_update); on a CPU-only run, the reference implementation.

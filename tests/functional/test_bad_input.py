@@ -113,10 +113,6 @@ CASES = {
         "shorter than --zenflow-update-interval 4"),
     "zenflow flag without zenflow": (lambda d: MOCK + ["--zenflow-topk-ratio", "0.2"],
                                      "--zenflow-topk-ratio needs --zenflow"),
-    "zenflow in offload tiers with re-selection": (
-        lambda d: MOCK + ZENFLOW + ["--offload-optimizer", "--train-iters", "10",
-                                    "--zenflow-select-interval", "4"],
-        "set --zenflow-select-interval to at least --train-iters 10"),
     "zenflow resume of an offload checkpoint": (
         lambda d: MOCK + ZENFLOW + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
         "saved by --offload-optimizer and this run uses --zenflow"),

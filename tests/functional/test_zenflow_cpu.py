@@ -35,7 +35,7 @@ ALL_SELECTED = [*ZENFLOW, "--zenflow-topk-ratio", "1.0", "--zenflow-update-inter
 ALL_WARMUP = [*ZENFLOW, "--zenflow-topk-ratio", "0.3", "--zenflow-full-warmup-steps",
               str(ITERS), "--zenflow-select-interval", "4"]
 ASYNC = [*ZENFLOW, "--zenflow-select-interval", "8"]
-# No re-selection (the mode of the CPU side in the offload tiers).
+# No re-selection.
 FIXED = [*ZENFLOW, "--zenflow-select-interval", str(ITERS)]
 
 
@@ -154,10 +154,13 @@ def test_plain_checkpoint_without_finetune_is_one_line_error(plain_checkpoint):
 
 
 @pytest.mark.parametrize("precision", ["bf16"])
-def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, precision):
+@pytest.mark.parametrize("selection", ["fixed", "reselect"])
+def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, precision, selection):
     """The CPU side's master and moments in the offload engine (host cache + two paths):
-    the same losses as with them in host memory, bit for bit, and they did use the paths."""
-    flags = [*FIXED, *precision_flags(precision)]
+    the same losses as with them in host memory, bit for bit, and they did use the paths;
+    also with re-selections (at 8 and 16), which move states between the GPU side and a
+    new engine's files."""
+    flags = [*(FIXED if selection == "fixed" else ASYNC), *precision_flags(precision)]
     memory = run_zenflow(tmp_path, flags, name="memory.jsonl")
     tiers = run_zenflow(tmp_path, [*flags, *tier_flags(tmp_path)], name="tiers.jsonl")
     assert train_losses(tiers) == train_losses(memory)
@@ -167,10 +170,15 @@ def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, precision):
         assert sum(r.get(f"offload/path{path}_read_bytes", 0) for r in records) > 0
 
 
-def test_cpu_side_in_offload_tiers_resume_is_exact(tmp_path):
-    flags = [*BASE, *FIXED, "--bf16", *tier_flags(tmp_path)]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=6)
+@pytest.mark.parametrize("selection,stop_at", [("fixed", 6), ("reselect", 10)])
+def test_cpu_side_in_offload_tiers_resume_is_exact(tmp_path, selection, stop_at):
+    """Resumed from a checkpoint (after a re-selection in the second case: the engine of
+    the second selection saved its files): the same curve."""
+    flags = [*BASE, *(FIXED if selection == "fixed" else ASYNC), "--bf16",
+             *tier_flags(tmp_path)]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at)
     assert losses_of(resumed) == losses_of(straight)
-    manifest = tmp_path / "ckpt" / "iter_0000006" / "zenflow" / "offload" / "rank00000"
+    manifest = (tmp_path / "ckpt" / f"iter_{stop_at:07d}" / "zenflow" / "offload"
+                / "rank00000")
     assert (manifest / "manifest.json").is_file()
 

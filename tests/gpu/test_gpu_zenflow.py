@@ -49,14 +49,15 @@ def test_zenflow_resume_on_cuda(tmp_path):
     assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)
 
 
-def test_zenflow_cpu_side_in_offload_tiers_on_cuda(tmp_path):
+@pytest.mark.parametrize("select_interval", [20, 8])
+def test_zenflow_cpu_side_in_offload_tiers_on_cuda(tmp_path, select_interval):
     """The CPU side's states in the offload engine (fused CPU Adam there too): the same
-    losses as with them in host memory."""
+    losses as with them in host memory; with re-selections (every 8 steps) too."""
     tiers = []
     for i in range(2):
         (tmp_path / f"tier{i}").mkdir()
         tiers.append(f"{tmp_path / f'tier{i}'}@{2 - i},1")
-    flags = [*BASE, "--zenflow", "--zenflow-select-interval", "20"]
+    flags = [*BASE, "--zenflow", "--zenflow-select-interval", str(select_interval)]
     memory, offload = tmp_path / "memory.jsonl", tmp_path / "offload.jsonl"
     run_pretrain([*flags, "--metrics-path", str(memory)])
     run_pretrain([*flags, "--offload-optimizer", "--offload-paths", *tiers,

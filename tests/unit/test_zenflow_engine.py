@@ -184,19 +184,48 @@ def engine_state(engine, shards):
     for kind in KINDS:
         for group in engine.gpu_plan.sizes:
             engine.gpu_plan.scatter(group, engine.gpu[kind][group], full[kind].__getitem__)
-        for group in engine.cpu_plan.sizes:
-            engine.cpu_plan.scatter(group, getattr(engine.cpu, kind)[group],
-                                    full[kind].__getitem__)
+        for group, n in engine.cpu_plan.sizes.items():
+            if isinstance(engine.cpu, cpu_worker.TieredCpuSide):  # states in the engine's files
+                parts = [torch.empty(n) for _ in KINDS]
+                engine.cpu.read_states(group, 0, n, parts)
+                values = parts[KINDS.index(kind)]
+            else:
+                values = getattr(engine.cpu, kind)[group]
+            engine.cpu_plan.scatter(group, values, full[kind].__getitem__)
     return full
 
 
-def run_both(cfg, dtype, steps, monkeypatch=None, jitter=None):
+def tiered_engine_factory(tmp_path, dtype, made: list):
+    """make_cpu_engine for ZenFlowEngine: offload engines on two tier directories, small
+    subgroups (they cut through groups, pieces and columns), a cache of three of them."""
+    from megatron_ext.offload.config import OffloadConfig
+    from megatron_ext.offload.engine import OffloadEngine
+    from megatron_ext.offload.tiers import TierSpec
+
+    tiers = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir(exist_ok=True)
+        tiers.append(TierSpec(str(tmp_path / f"tier{i}"), read_gbps=2.0 - i, write_gbps=1.0))
+    cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
+                        offload_subgroup_size=7, offload_host_cache_gb=3 * 7 * 12 / 1e9)
+
+    def make(params, generation=0):
+        engine = OffloadEngine(cfg, params, rank=0, device=torch.device("cpu"), tiers=tiers,
+                               run_id=f"test.selection{generation}", model_dtype=dtype,
+                               grad_dtype=torch.float32)
+        made.append(engine)
+        return engine
+    return make
+
+
+def run_both(cfg, dtype, steps, monkeypatch=None, jitter=None, make_cpu_engine=None,
+             keep_open=False):
     if jitter is not None:
         monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_JITTER", str(jitter))
     shards = make_shards(dtype)
     ref = Reference(make_shards(dtype), cfg)
     engine = ZenFlowEngine(cfg, shards, device=torch.device("cpu"), model_dtype=dtype,
-                           grad_dtype=dtype)
+                           grad_dtype=dtype, make_cpu_engine=make_cpu_engine)
     engine.cpu.trace = []
     expected_windows = []
     open_window = []
@@ -223,13 +252,17 @@ def run_both(cfg, dtype, steps, monkeypatch=None, jitter=None):
         engine.cpu.wait_update()
         return engine, shards, ref, expected_windows
     finally:
-        engine.close()
+        if not keep_open:
+            engine.close()
 
 
-def assert_same(engine, shards, ref):
-    states = engine_state(engine, shards)
+def assert_same(engine, shards, ref, states=True):
     for i, shard in enumerate(shards):
         assert torch.equal(shard.weights(), ref.weights[i]), f"weights of param {i}"
+    if not states:  # the CPU side's states are in files: the weights carry them
+        return
+    states = engine_state(engine, shards)
+    for i, shard in enumerate(shards):
         assert torch.equal(states["master"][i], ref.master[i]), f"master of param {i}"
         assert torch.equal(states["exp_avg"][i], ref.exp_avg[i]), f"exp_avg of param {i}"
         assert torch.equal(states["exp_avg_sq"][i], ref.exp_avg_sq[i]), f"exp_avg_sq {i}"
@@ -262,6 +295,30 @@ def test_engine_equals_reference(case, dtype, kernels, monkeypatch):
     assert (engine.cpu._kernels is not None) == (kernels == "c")
     assert_same(engine, shards, ref)
     assert engine.retention == engine.retention  # re-selected at least once: not NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["S3-k0.25-reselect6-warmup2", "S1-k0.5-reselect1",
+                                  "S4-k0.1-reselect8"])
+def test_cpu_side_in_offload_tiers_reselects_like_the_reference(tmp_path, case, dtype):
+    """Re-selection with the CPU side's states in offload engines (files on two paths): every
+    moment reaches its new side; each selection gets a new engine, the old one's files go."""
+    made = []
+    cfg = ZenFlowConfig(zenflow=True, **CASES[case])
+    engine, shards, ref, _ = run_both(cfg, dtype, steps=25, keep_open=True, make_cpu_engine=(
+        tiered_engine_factory(tmp_path, dtype, made)))
+    try:
+        assert_same(engine, shards, ref)
+        assert len(made) >= 3  # the first selection and at least two re-selections
+        assert engine.retention == engine.retention
+        # Most subgroups are in files (a cache of three), all of them the engine's in use:
+        # those of the earlier selections are gone.
+        assert len(engine.cpu.engine.subgroups) > 6
+        dirs = {f.parent.parent.name for f in tmp_path.rglob("sg*")}
+        assert dirs == {f"test.selection{engine.cpu.generation}"}
+    finally:
+        engine.close()
+    assert list(tmp_path.rglob("sg*")) == []
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
