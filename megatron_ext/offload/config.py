@@ -34,7 +34,9 @@ class OffloadConfig:
     being fetched and flushed; 12 bytes per element). Default: everything in host memory
     when there is no --offload-paths, else three subgroups (the minimum that overlaps
     fetch, update and flush). Pinned on GPU machines. The pipeline adds about 8 bytes per
-    element of one subgroup (gradient staging and an fp32 scratch)."""
+    element of one subgroup (gradient staging and an fp32 scratch). When the paths cannot
+    hold every subgroup, the cache keeps those that do not fit, without a file, as long
+    as three buffers are left for the pipeline."""
     offload_subgroup_size: int = 100_000_000
     """Elements per subgroup: the unit of fetch, update and flush (12 bytes of state per
     element). Smaller subgroups pipeline more finely but do more, smaller I/O."""

@@ -48,6 +48,7 @@ from megatron_ext.offload.locks import NodeLocks
 from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
 from megatron_ext.offload.tiers import (
     Rebalancer,
+    TierFullError,
     TierSpec,
     check_free_space,
     place_subgroups,
@@ -165,12 +166,14 @@ class OffloadEngine:
         self.capacity = self._cache_capacity()
         # Bytes of each subgroup's state file payload.
         self.sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
+        self.resident: frozenset = frozenset()
+        """Subgroups that live in the host cache only (no file): home -1, never evicted."""
         if self.tiers:
             weights = [t.effective_gbps for t in self.tiers]
             # Room for the recycled spares and one temporary file per path besides the states.
             reserve = (SPARES_PER_SIZE + 1) * max(self.sizes, default=0)
             free = [max(0, check_free_space(t.path, 0) - reserve) for t in self.tiers]
-            self.home = place_subgroups(self.sizes, weights, cfg.offload_placement, capacity=free)
+            self.home = self._place(weights, free)
             self.rebalancer = (Rebalancer(weights) if cfg.offload_rebalance and len(self.tiers) > 1
                                else None)
         else:
@@ -232,6 +235,44 @@ class OffloadEngine:
                 f"{_gb(3 * per_buffer)} GB or a smaller --offload-subgroup-size")
         return min(n, fits)
 
+    def _place(self, weights: List[float], free: List[int]) -> List[int]:
+        """Each subgroup's path, -1 for those the host cache keeps without a file.
+
+        Normally every subgroup has a file and the cache is a cache. When the paths cannot
+        hold them all, the cache keeps the fewest subgroups that let the rest fit, as long
+        as three buffers are left for the pipeline; they are taken from the middle of the
+        order (with the alternating order, the cache reuses the subgroups at both ends).
+        """
+        n = len(self.subgroups)
+        spare = 0 if self.capacity is None else max(0, self.capacity - min(n, 3))
+        lack = sum(self.sizes) - sum(free)
+        first = max(0, lack // max(self.sizes, default=1)) if lack > 0 else 0
+        error = None
+        for kept in range(min(first, spare), spare + 1):
+            lo = (n - kept) // 2
+            resident = set(range(lo, lo + kept))
+            others = [i for i in range(n) if i not in resident]
+            try:
+                homes = place_subgroups([self.sizes[i] for i in others], weights,
+                                        self.cfg.offload_placement, capacity=free)
+            except TierFullError as err:
+                error = err
+                continue
+            self.resident = frozenset(resident)
+            home = [-1] * n
+            for index, path in zip(others, homes):
+                home[index] = path
+            if resident:
+                log.info("offload: rank %d keeps %d of %d subgroups (%.2f GB) in the host cache "
+                         "only: the paths hold the other %.2f GB", self.rank, kept, n,
+                         sum(self.sizes[i] for i in resident) / 1e9,
+                         sum(self.sizes[i] for i in others) / 1e9)
+            return home
+        raise TierFullError(f"{error} (the host cache can keep at most {spare} of the {n} "
+                            "subgroups besides the pipeline's 3: a larger "
+                            "--offload-host-cache-gb helps too)", error.needed_bytes,
+                            error.free_bytes)
+
     def _alloc_state(self) -> torch.Tensor:
         return aligned_empty(self.max_numel * STATE_BYTES_PER_ELEMENT, dtype=torch.float32,
                              pin=self.is_cuda)
@@ -285,6 +326,8 @@ class OffloadEngine:
         width = 3 if kind == "state" else 1
         payload = buffer[:width * sg.numel]
         nbytes = payload.numel() * 4
+        if kind == "state" and subgroup in self.resident:
+            raise RuntimeError(f"offload: subgroup {subgroup} lives in the host cache only")
         while True:
             path = self.home[subgroup]
             name = self._file(subgroup, path, kind)
@@ -388,7 +431,7 @@ class OffloadEngine:
         """A free state buffer, and the flush that must finish before it is reused."""
         if self.cache.can_allocate():
             return self.cache.allocate(), None
-        victim = self.cache.victim(protect)
+        victim = self.cache.victim([*protect, *self.resident])
         if victim is None:
             raise RuntimeError("offload cache has no evictable buffer (capacity too small)")
         entry = self.cache.pop(victim)
@@ -529,7 +572,8 @@ class OffloadEngine:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         if not self.cfg.offload_delayed_grad_conversion:
             self._stage_fp32_grads(order, inv_scale, clip_coeff)
-        depth = 1 if self.capacity is None else max(1, min(2, self.capacity - 2))
+        depth = (1 if self.capacity is None
+                 else max(1, min(2, self.capacity - len(self.resident) - 2)))
         pending: Dict[int, Future] = {}
         if self.is_cuda and self.cfg.offload_delayed_grad_conversion and order:
             self._issue_grad_copy(order[0], 0)

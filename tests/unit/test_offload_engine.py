@@ -173,3 +173,69 @@ def test_fp32_state_leaves_no_tensor_on_a_path_after_close(tmp_path):
         assert os.stat(os.path.join(rank_dir, name)).st_mode & 0o077 == 0
     engine.close()
     assert not os.path.exists(rank_dir)
+
+
+
+SMALL = 300  # subgroup size of the tests below: 12 subgroups (11 x 300 + 219)
+
+
+def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
+    tier = TierSpec(str(tmp_path / "tier0"), read_gbps=2.0, write_gbps=1.0)
+    (tmp_path / "tier0").mkdir(exist_ok=True)
+    cfg = OffloadConfig(offload_optimizer=True, offload_paths=[tier.path],
+                        offload_subgroup_size=SMALL,
+                        offload_host_cache_gb=cache_subgroups * SMALL * 12 / 1e9, **switches)
+    return OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"), tiers=[tier],
+                         run_id="test", model_dtype=shard.dtype, grad_dtype=shard.dtype)
+
+
+def _limit_free_space(monkeypatch, subgroups_that_fit: int) -> None:
+    """The path reports room for the spares plus ``subgroups_that_fit`` full subgroups."""
+    from megatron_ext.offload import engine as engine_module
+
+    room = (engine_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * 12
+    monkeypatch.setattr(engine_module, "check_free_space", lambda path, need: room)
+
+
+@pytest.mark.parametrize("alternate", [True, False])
+def test_subgroups_the_paths_cannot_hold_stay_in_the_cache(tmp_path, monkeypatch, alternate):
+    """A path with room for 5 of the 12 subgroups and a cache of 10 buffers: 7 subgroups
+    from the middle live in the cache only (no file, never evicted), the other 5 rotate
+    through 3 buffers and the path; the updates equal torch's AdamW, and a checkpoint
+    restores all of them."""
+    _limit_free_space(monkeypatch, 5)
+    shard, ref_shard = Shard(torch.bfloat16), Shard(torch.bfloat16)
+    masters, opt = _reference(ref_shard)
+    switches = {"offload_alternate_order": alternate}
+    engine = _small_engine(tmp_path, shard, 10, **switches)
+    try:
+        assert engine.resident == set(range(2, 9))
+        assert engine.home == [0, 0, *[-1] * 7, 0, 0, 0]
+        for step in range(4):
+            _step_both(shard, ref_shard, masters, opt, engine, None, 0.5 if step == 1 else None)
+            for w, ref in zip(shard.weights, ref_shard.weights):
+                assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
+            assert all(index in engine.cache for index in engine.resident)
+        engine.wait_io()
+        files = set(os.listdir(engine.rank_dirs[0]))
+        assert not any(f"sg{i:05d}.state" in files for i in engine.resident), files
+        assert sum(f"sg{i:05d}.state" in files for i in (0, 1, 9, 10, 11)) >= 2, files
+        engine.save(str(tmp_path / "ckpt"), {})
+    finally:
+        engine.close()
+    restored = _small_engine(tmp_path, shard, 10, **switches)
+    try:
+        restored.load(str(tmp_path / "ckpt"), {})
+        _step_both(shard, ref_shard, masters, opt, restored, None, None)
+        for w, ref in zip(shard.weights, ref_shard.weights):
+            assert torch.equal(w, ref), "after the load: model weights differ"
+    finally:
+        restored.close()
+
+
+def test_paths_too_small_even_with_the_cache_is_one_clear_error(tmp_path, monkeypatch):
+    from megatron_ext.offload.tiers import TierFullError
+
+    _limit_free_space(monkeypatch, 2)
+    with pytest.raises(TierFullError, match="a larger --offload-host-cache-gb helps too"):
+        _small_engine(tmp_path, Shard(torch.bfloat16), 6)
