@@ -180,7 +180,8 @@ class ZenFlowEngine:
         self._stats["gpu_update_s"] += time.perf_counter() - start
         with record_function("zenflow/send_delayed_grads"):
             rho = self._send_delayed_grads(inv_scale, clip_coeff,
-                                           last=plan.sync or plan.closes_window)
+                                           last=plan.sync or plan.closes_window,
+                                           need_rho=self.cfg.fixed_interval is None)
         buffer = self.schedule.buffer
         if plan.sync:
             self._flush_pending()
@@ -193,16 +194,19 @@ class ZenFlowEngine:
             self.upload_pending = True
             if plan.select:
                 self._flush_pending()
-        self.schedule.end_step(plan, rho)
+        # With a fixed interval rho is only a metric: it stays on the device (no sync here).
+        self.schedule.end_step(plan, rho if isinstance(rho, float) else 0.0)
         if plan.select and plan.step > 1:
             self._select(first=False)
         self._stats["steps"] += 1
-        self._stats["rho"] += rho
+        self._stats["rho"] = self._stats["rho"] + rho
 
-    def _send_delayed_grads(self, inv_scale, clip_coeff, last: bool) -> float:
+    def _send_delayed_grads(self, inv_scale, clip_coeff, last: bool, need_rho: bool = True):
         """Gathers the delayed columns' grads, queues their accumulation; returns rho.
 
-        ``last``: the step closes its window (the accumulation leaves the mean).
+        ``last``: the step closes its window (the accumulation leaves the mean). rho is a
+        float with ``need_rho`` (the auto interval decides on it), else a 0-dim fp64 tensor
+        on the model's device, read when the metrics are (no host-device sync per step).
         """
         total_energy = _energy([s.grad() for s in self.shards if s.counts_in_norm and s.numel],
                                self.device)
@@ -231,8 +235,11 @@ class ZenFlowEngine:
         energies = torch.stack([delayed_energy, total_energy])
         if self.stats_group is not None and torch.distributed.get_world_size(self.stats_group) > 1:
             torch.distributed.all_reduce(energies, group=self.stats_group)
-        delayed, total = energies.tolist()
-        return delayed / total if total > 0 else 0.0
+        if need_rho:
+            delayed, total = energies.tolist()
+            return delayed / total if total > 0 else 0.0
+        delayed, total = energies.unbind()
+        return torch.where(total > 0, delayed / total, torch.zeros_like(total))
 
     def _to_host(self, slot: int, grads: Dict[int, torch.Tensor]):
         """Copies the compact grads into pinned staging on the D2H stream."""
@@ -524,7 +531,7 @@ class ZenFlowEngine:
             busy = dict(self.cpu.busy)
         record = {
             "zenflow/selected_ratio": self.selected_ratio,
-            "zenflow/rho": self._stats["rho"] / steps,
+            "zenflow/rho": float(self._stats["rho"]) / steps,
             "zenflow/retention": self.retention,
             "zenflow/update_interval": float(self.schedule.window_length),
             "zenflow/stall_s": self._stats["stall_s"] / steps,
