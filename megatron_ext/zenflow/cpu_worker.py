@@ -159,9 +159,10 @@ class CpuSide:
         self.busy = {"accumulate": 0.0, "update": 0.0}
         self._kernels = host_kernels.load()
         self.threads = threads or default_threads()
+        """Threads of one accumulation (the C kernel's; torch's pool otherwise); by default
+        no more than the CPUs of $MEGATRON_EXT_ZENFLOW_CPUS."""
         if self.cpus and not os.environ.get(THREADS_ENV, "").strip():
             self.threads = min(self.threads, len(self.cpus))
-        """Threads of one accumulation (the C kernel's; torch's pool otherwise)."""
         self.trace: Optional[List[tuple]] = None
         """Test hook: when a list, each update appends (window, [per-group mean grads])."""
 
