@@ -99,6 +99,9 @@ def initialize(cfg) -> Runtime:
         )
     from megatron.core import parallel_state
 
+    from megatron_ext.runtime import grad_norm
+
+    grad_norm.install()
     par = cfg.parallel
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
