@@ -16,7 +16,7 @@ set -uo pipefail
 TIER="${TIER:-/var/tmp/zenflow-tier}"
 PATHS="${PATHS:-$TIER}"
 EXTRA="${EXTRA:-}"
-mkdir -p "$TIER" /dev/shm/zenflow-tier
+mkdir -p "$TIER"
 ( while true; do { date -u +%H:%M:%S; free -g | sed -n 2p; df -h "$TIER" | tail -1; \
     du -sh /dev/shm/zenflow-tier 2>/dev/null; } >> "$OUT/memory.txt"; sleep 15; done ) &
 MONITOR=$!

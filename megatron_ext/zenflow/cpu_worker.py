@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -103,6 +103,19 @@ def _ranges(cpus) -> str:
     return ",".join(out)
 
 
+class _Queued(NamedTuple):
+    """One step waiting to be accumulated."""
+
+    buffer: int
+    grads: Dict[int, torch.Tensor]
+    inv_scale: Optional[float]
+    clip: Optional[float]
+    ready: Optional[Callable[[], None]]
+    done: Optional[Callable[[], None]]
+    last: bool
+    future: Future
+
+
 class _StepFuture(Future):
     """A step's accumulation; waiting for one that is still queued starts its batch."""
 
@@ -148,7 +161,7 @@ class CpuSide:
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-adam",
                                                initializer=pin)
         self._last_acc: Optional[Future] = None
-        self._queued: List[tuple] = []
+        self._queued: List[_Queued] = []
         """Steps whose accumulation has not been submitted yet (one batch, one buffer)."""
         self.batch_steps = 1
         """Steps added in one pass (the owner sets it; a window's last step ends a batch)."""
@@ -254,12 +267,12 @@ class CpuSide:
         then the queued steps are added in one pass, in step order, with the same roundings
         as one pass per step.
         """
-        if self._queued and self._queued[0][0] != buffer:
+        if self._queued and self._queued[0].buffer != buffer:
             self.kick()
         future = _StepFuture(self)
         inv = float(inv_scale) if inv_scale is not None else None
         clip = float(clip_coeff) if clip_coeff is not None else None
-        self._queued.append((buffer, grads, inv, clip, ready, done, last, future))
+        self._queued.append(_Queued(buffer, grads, inv, clip, ready, done, last, future))
         if last or len(self._queued) >= max(1, self.batch_steps):
             self.kick()
         return future
@@ -274,30 +287,30 @@ class CpuSide:
         def task():
             try:
                 for entry in batch:
-                    if entry[4] is not None:
-                        entry[4]()
+                    if entry.ready is not None:
+                        entry.ready()
                 self._add_steps(batch)
             except BaseException as exc:
                 for entry in batch:
-                    entry[7].set_exception(exc)
+                    entry.future.set_exception(exc)
                 raise
             for entry in batch:
-                if entry[5] is not None:
-                    entry[5]()
-                entry[7].set_result(None)
+                if entry.done is not None:
+                    entry.done()
+                entry.future.set_result(None)
         self._last_acc = self._acc_pool.submit(self._timed("accumulate", task))
 
-    def _add_steps(self, batch: List[tuple]) -> None:
+    def _add_steps(self, batch: List[_Queued]) -> None:
         """Adds the batch's steps (one buffer, step order) into its accumulator."""
-        buffer = batch[0][0]
+        buffer = batch[0].buffer
         first = self.acc_steps[buffer] == 0
         count = self.acc_steps[buffer] + len(batch)
-        last = batch[-1][6]
+        last = batch[-1].last
         divisor = count if last and count > 1 else None
-        invs = [entry[2] for entry in batch]
-        clips = [entry[3] for entry in batch]
+        invs = [entry.inv_scale for entry in batch]
+        clips = [entry.clip for entry in batch]
         for group, acc in self.acc[buffer].items():
-            grads = [entry[1][group] for entry in batch if group in entry[1]]
+            grads = [entry.grads[group] for entry in batch if group in entry.grads]
             if len(grads) != len(batch):
                 raise RuntimeError(f"param group {group}: grads missing from a queued step")
             self._add_fp32(acc, grads, invs, clips, first, divisor)

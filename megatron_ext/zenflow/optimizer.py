@@ -242,8 +242,11 @@ class ZenFlowEngine:
         return torch.where(total > 0, delayed / total, torch.zeros_like(total))
 
     def _to_host(self, slot: int, grads: Dict[int, torch.Tensor]):
-        """Copies the compact grads into pinned staging on the D2H stream."""
-        self._ensure_staging()
+        """Copies the compact grads into pinned staging on the D2H stream.
+
+        The staging is allocated by :meth:`_ensure_staging` at each selection, for the sizes
+        of the plan in force.
+        """
         stage = self._stage[slot]
         out = {}
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
