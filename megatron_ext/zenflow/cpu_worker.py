@@ -60,19 +60,28 @@ def default_threads() -> int:
 
 CPUS_ENV = "MEGATRON_EXT_ZENFLOW_CPUS"
 
+LOOP_CPUS = 2
+"""CPUs per training process that the CPU side's threads leave free by default (on GPUs)."""
 
-def host_cpus() -> Optional[set]:
-    """$MEGATRON_EXT_ZENFLOW_CPUS as a set of CPU numbers ("2-15", "1,3,8-11"), else None.
 
-    The CPU side's threads (accumulation, Adam, and the workers they start: the C kernel's
-    threads and torch's OpenMP team inherit the mask) run on these CPUs only, so that the
-    training loop's own thread, which launches the GPU's kernels, keeps the others. Must be
-    a non-empty subset of the CPUs this process may use.
+def host_cpus(default: bool = False) -> Optional[set]:
+    """The CPUs of the CPU side's threads, as a set; None: no confinement.
+
+    $MEGATRON_EXT_ZENFLOW_CPUS: CPU numbers and ranges ("2-15", "1,3,8-11"), a non-empty
+    subset of the CPUs this process may use, or "all". Unset: with ``default`` (the GPU
+    side is a CUDA device) :func:`default_host_cpus`, else all. The CPU side's threads
+    (accumulation, Adam, and the workers they start: the C kernel's threads and torch's
+    OpenMP team inherit the mask) run on these CPUs only, so that the training loop's own
+    thread, which launches the GPU's kernels, keeps the others.
     """
     value = os.environ.get(CPUS_ENV, "").strip()
-    if not value:
-        return None
     allowed = os.sched_getaffinity(0)
+    if not value:
+        if not default:
+            return None
+        return default_host_cpus(allowed, os.cpu_count() or len(allowed), _local_ranks())
+    if value == "all":
+        return None
     cpus = set()
     try:
         for part in value.split(","):
@@ -83,11 +92,40 @@ def host_cpus() -> Optional[set]:
             cpus.update(range(first, last + 1))
     except ValueError:
         raise UsageError(f"{CPUS_ENV}={value}: give CPU numbers and ranges, e.g. 2-15 or "
-                         "1,3,8-11") from None
+                         "1,3,8-11, or all") from None
     if not cpus <= allowed:
         raise UsageError(f"{CPUS_ENV}={value}: CPUs {sorted(cpus - allowed)} are not available "
                          f"to this process (it may use {_ranges(allowed)})")
     return cpus
+
+
+def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Optional[set]:
+    """All CPUs this process may use but the first LOOP_CPUS per training process on them.
+
+    A process bound to its own CPUs (fewer than the machine's: Slurm's or numactl's
+    binding) leaves LOOP_CPUS of them; one that may use the whole machine shares it with the
+    other ranks of its node, all of which leave the same first LOOP_CPUS x ranks CPUs to
+    their loops' threads. No confinement (None) when fewer CPUs than that would be left to
+    the host threads. On the 16-core H200 machine (1.28B GPT, k=0.1, S=4; bench/results/
+    2026-12-01b-h200-zenflow): 0.237 s per step with the host threads on every CPU, 0.213
+    on CPUs 2-15 (0.184 without offload): the loop's forward-backward went from 0.143 s
+    back to 0.133, the no-offload figure.
+    """
+    ordered = sorted(allowed)
+    sharing = local_ranks if len(ordered) >= machine_cpus else 1
+    reserve = LOOP_CPUS * max(1, sharing)
+    if len(ordered) - reserve < reserve:
+        return None
+    return set(ordered[reserve:])
+
+
+def _local_ranks() -> int:
+    """Training processes on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def _ranges(cpus) -> str:
@@ -140,6 +178,9 @@ class CpuSide:
                  threads: Optional[int] = None):
         self.model_dtype = model_dtype
         self.pin = pin
+        self.upload_guard: Optional[Callable[[], None]] = None
+        """Called before the upload buffers are written (the owner's wait for an
+        asynchronous copy still reading them)."""
         self._pinned: Dict[int, torch.Tensor] = {}
         self._scratch = threading.local()
         self.master: Dict[int, torch.Tensor] = {}
@@ -154,8 +195,8 @@ class CpuSide:
         self.steps = 0
         """Adam steps taken by the CPU side (its bias correction counts these)."""
         self.resize(sizes)
-        self.cpus = host_cpus()
-        """CPUs of the CPU side's threads ($MEGATRON_EXT_ZENFLOW_CPUS), None: all."""
+        self.cpus = host_cpus(default=pin)
+        """CPUs of the CPU side's threads (:func:`host_cpus`), None: all."""
         pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
         self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-acc", initializer=pin)
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-adam",
@@ -203,8 +244,13 @@ class CpuSide:
             out[group] = buf[:n]
         return out
 
+    def _guard_upload(self) -> None:
+        if self.upload_guard is not None:
+            self.upload_guard()
+
     def _fresh_window_buffers(self, sizes: Dict[int, int]) -> None:
         """Zero accumulators and upload buffers of the per-group ``sizes``."""
+        self._guard_upload()
         self.sizes = dict(sizes)
         for store in self.acc:
             store.clear()
@@ -374,6 +420,7 @@ class CpuSide:
         def task():
             if last is not None:
                 last.result()
+            self._guard_upload()
             self._apply_adam(buffer, window, hp)
         self._update = self._update_pool.submit(self._timed("update", task))
         return self._update
@@ -385,6 +432,7 @@ class CpuSide:
 
     def masters_to_upload(self) -> None:
         """Casts the masters into the upload buffers (their weights enter the model next)."""
+        self._guard_upload()
         for group, master in self.master.items():
             self.upload[group].copy_(master)
 
@@ -425,6 +473,11 @@ class CpuSide:
         self._update.result()
         self._update = None
         return True
+
+    def update_finished(self) -> bool:
+        """The submitted update has finished without error (waiting would not block)."""
+        update = self._update
+        return update is not None and update.done() and update.exception() is None
 
     @property
     def update_pending(self) -> bool:
@@ -537,6 +590,7 @@ class TieredCpuSide(CpuSide):
 
     def masters_to_upload(self) -> None:
         """The engine's masters, cast, into the upload buffers."""
+        self._guard_upload()
         if self.engine is not None:
             self.engine.write_all_params()
 

@@ -375,6 +375,56 @@ def test_host_threads_run_on_the_cpus_given(monkeypatch):
         cpu.close()
 
 
+@pytest.mark.parametrize("allowed,machine,ranks,expected", [
+    (range(16), 16, 1, range(2, 16)),          # the H200 machine: CPUs 2-15
+    (range(128), 128, 8, range(16, 128)),      # eight ranks share a node: 2 CPUs each
+    (range(32, 48), 128, 8, range(34, 48)),    # a rank bound to its own 16 CPUs
+    (range(4), 4, 1, range(2, 4)),
+    (range(3), 3, 1, None),                    # too few CPUs left: no confinement
+    (range(16), 16, 8, None),
+])
+def test_default_host_cpus(allowed, machine, ranks, expected):
+    got = cpu_worker.default_host_cpus(set(allowed), machine, ranks)
+    assert got == (set(expected) if expected is not None else None)
+
+
+def test_host_cpus_default_only_on_request(monkeypatch):
+    """Unset: no confinement on CPU runs, the default set for a CUDA GPU side; "all": none."""
+    monkeypatch.delenv("MEGATRON_EXT_ZENFLOW_CPUS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    allowed = os.sched_getaffinity(0)
+    assert cpu_worker.host_cpus() is None
+    assert cpu_worker.host_cpus(default=True) == cpu_worker.default_host_cpus(
+        allowed, os.cpu_count(), 1)
+    monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", "all")
+    assert cpu_worker.host_cpus(default=True) is None
+
+
+def test_upload_buffers_are_written_after_the_guard():
+    """The owner's upload_guard (its wait for an H2D copy still reading the upload
+    buffers) runs before an update, masters_to_upload or new buffers write them."""
+    cpu = cpu_worker.CpuSide({0: 4}, torch.float32, pin=False)
+    seen = []
+    cpu.upload_guard = lambda: seen.append(cpu.upload[0].clone())
+    try:
+        cpu.set_masters({0: torch.full((4,), 3.0)})
+        cpu.masters_to_upload()
+        assert len(seen) == 1 and torch.equal(seen[0], torch.zeros(4))
+        assert torch.equal(cpu.upload[0], torch.full((4,), 3.0))
+        cpu.accumulate(0, {0: torch.ones(4)}, None, None, last=True)
+        hp = HPARAMS[0]
+        cpu.submit_update(0, 1, [hp])
+        cpu.wait_update()
+        assert len(seen) == 2 and torch.equal(seen[1], torch.full((4,), 3.0))
+        assert not torch.equal(cpu.upload[0], torch.full((4,), 3.0))
+        assert not cpu.update_finished()  # waited for: nothing pending
+        cpu.submit_update(1, 2, [hp])
+        cpu._update.result(timeout=30)
+        assert cpu.update_finished()
+    finally:
+        cpu.close()
+
+
 @pytest.mark.parametrize("value,cpus", [("0", {0}), ("0,0-0", {0}), (" 0 ", {0})])
 def test_host_cpus_parses_lists(monkeypatch, value, cpus):
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", value)
