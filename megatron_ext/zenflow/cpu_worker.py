@@ -107,9 +107,9 @@ def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Opti
     other ranks of its node, all of which leave the same first LOOP_CPUS x ranks CPUs to
     their loops' threads. No confinement (None) when fewer CPUs than that would be left to
     the host threads. On the 16-core H200 machine (1.28B GPT, k=0.1, S=4; bench/results/
-    2026-12-01b-h200-zenflow): 0.237 s per step with the host threads on every CPU, 0.213
-    on CPUs 2-15 (0.184 without offload): the loop's forward-backward went from 0.143 s
-    back to 0.133, the no-offload figure.
+    2026-12-01b-h200-zenflow and -c-): 0.237 and 0.249 s per step with the host threads on
+    every CPU, 0.213 and 0.224 on CPUs 2-15 (0.184 and 0.190 without offload): the loop's
+    forward-backward went from 0.143-0.154 s back to 0.133-0.136, the no-offload figure.
     """
     ordered = sorted(allowed)
     sharing = local_ranks if len(ordered) >= machine_cpus else 1
@@ -178,9 +178,6 @@ class CpuSide:
                  threads: Optional[int] = None):
         self.model_dtype = model_dtype
         self.pin = pin
-        self.upload_guard: Optional[Callable[[], None]] = None
-        """Called before the upload buffers are written (the owner's wait for an
-        asynchronous copy still reading them)."""
         self._pinned: Dict[int, torch.Tensor] = {}
         self._scratch = threading.local()
         self.master: Dict[int, torch.Tensor] = {}
@@ -244,13 +241,8 @@ class CpuSide:
             out[group] = buf[:n]
         return out
 
-    def _guard_upload(self) -> None:
-        if self.upload_guard is not None:
-            self.upload_guard()
-
     def _fresh_window_buffers(self, sizes: Dict[int, int]) -> None:
         """Zero accumulators and upload buffers of the per-group ``sizes``."""
-        self._guard_upload()
         self.sizes = dict(sizes)
         for store in self.acc:
             store.clear()
@@ -420,7 +412,6 @@ class CpuSide:
         def task():
             if last is not None:
                 last.result()
-            self._guard_upload()
             self._apply_adam(buffer, window, hp)
         self._update = self._update_pool.submit(self._timed("update", task))
         return self._update
@@ -432,7 +423,6 @@ class CpuSide:
 
     def masters_to_upload(self) -> None:
         """Casts the masters into the upload buffers (their weights enter the model next)."""
-        self._guard_upload()
         for group, master in self.master.items():
             self.upload[group].copy_(master)
 
@@ -473,11 +463,6 @@ class CpuSide:
         self._update.result()
         self._update = None
         return True
-
-    def update_finished(self) -> bool:
-        """The submitted update has finished without error (waiting would not block)."""
-        update = self._update
-        return update is not None and update.done() and update.exception() is None
 
     @property
     def update_pending(self) -> bool:
@@ -590,7 +575,6 @@ class TieredCpuSide(CpuSide):
 
     def masters_to_upload(self) -> None:
         """The engine's masters, cast, into the upload buffers."""
-        self._guard_upload()
         if self.engine is not None:
             self.engine.write_all_params()
 

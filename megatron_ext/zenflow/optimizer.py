@@ -130,19 +130,8 @@ class ZenFlowEngine:
         self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(self._slots)]
         self._stage_free: List[Optional[object]] = [None] * self._slots
         self._slot = 0
-        # The CPU update's new weights go to the device on their own stream as soon as the
-        # update has finished (checked every step), into a device buffer from which the
-        # window's boundary scatters them: the boundary step waits for no copy.
-        self._upload_dev: Dict[int, torch.Tensor] = {}
-        self._upload_copy: Optional[object] = None
-        """The event of the pending update's copy to ``_upload_dev``, once started."""
-        self._last_copy: Optional[object] = None
-        """The event of the last copy from the host upload buffers (they are rewritten only
-        after it: ``cpu.upload_guard``)."""
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
-            self._h2d = torch.cuda.Stream(device)
-            self.cpu.upload_guard = self._wait_last_copy
         self._reset_stats()
 
     # ------------------------------------------------------------ helpers
@@ -155,7 +144,7 @@ class ZenFlowEngine:
 
     def _reset_stats(self) -> None:
         self._stats = {"steps": 0, "rho": 0.0, "stall_s": 0.0, "gpu_update_s": 0.0,
-                       "d2h_bytes": 0.0, "h2d_bytes": 0.0, "uploads_early": 0}
+                       "d2h_bytes": 0.0, "h2d_bytes": 0.0}
         if hasattr(self, "cpu"):
             with self.cpu.lock:
                 self.cpu.busy = {k: 0.0 for k in self.cpu.busy}
@@ -178,7 +167,6 @@ class ZenFlowEngine:
         plan = self.schedule.next_step()
         if not self.initialized:
             self._select(first=True)
-        self._prefetch_upload()
         start = time.perf_counter()
         self.gpu_steps += 1
         with record_function("zenflow/gpu_update"):
@@ -281,51 +269,13 @@ class ZenFlowEngine:
 
     def _flush_pending_now(self) -> None:
         self._wait(self.cpu.wait_update)
-        if not self.is_cuda:
-            for group in self.cpu_plan.sizes:
-                values = self.cpu.upload[group]
-                self.cpu_plan.scatter(group, values, self._weights)
-                self._stats["h2d_bytes"] += values.numel() * values.element_size()
-        else:
-            if self._upload_copy is None:
-                self._start_upload_copy()
-            else:
-                self._stats["uploads_early"] += 1
-            torch.cuda.current_stream(self.device).wait_event(self._upload_copy)
-            for group, n in self.cpu_plan.sizes.items():
-                values = self._upload_dev[group][:n]
-                self.cpu_plan.scatter(group, values, self._weights)
-                self._stats["h2d_bytes"] += values.numel() * values.element_size()
-            self._upload_copy = None
+        for group in self.cpu_plan.sizes:
+            values = self.cpu.upload[group]
+            if self.is_cuda:
+                values = values.to(self.device, non_blocking=False)
+            self.cpu_plan.scatter(group, values, self._weights)
+            self._stats["h2d_bytes"] += values.numel() * values.element_size()
         self.upload_pending = False
-
-    def _prefetch_upload(self) -> None:
-        """Starts the copy of a finished CPU update's weights to the device, if one is."""
-        if (self.is_cuda and self.upload_pending and self._upload_copy is None
-                and self.cpu.update_finished()):
-            self._start_upload_copy()
-
-    def _start_upload_copy(self) -> None:
-        """Host upload buffers -> ``_upload_dev`` on the H2D stream.
-
-        After the work queued so far on the current stream: the last boundary's scatter
-        read those device buffers.
-        """
-        self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._h2d):
-            for group, n in self.cpu_plan.sizes.items():
-                dst = self._upload_dev[group][:n]
-                dst.copy_(self.cpu.upload[group], non_blocking=True)
-                dst.record_stream(self._h2d)
-            event = torch.cuda.Event()
-            event.record(self._h2d)
-        self._upload_copy = self._last_copy = event
-
-    def _wait_last_copy(self) -> None:
-        """Until the last copy from the host upload buffers has finished."""
-        event = self._last_copy
-        if event is not None:
-            event.synchronize()
 
     # ------------------------------------------------------------ selection
 
@@ -359,22 +309,15 @@ class ZenFlowEngine:
             self._ensure_staging()
 
     def _ensure_staging(self) -> None:
-        """Pinned staging for the delayed grads and the device buffer for the new weights.
+        """Pinned staging of every slot for the delayed grads of the plan in force.
 
-        Staging: every slot, for the plan in force. The device buffer receives the CPU
-        update's weights (2 bytes per delayed element in bf16: 2.3 GB on the 1.28B
-        reference GPT at k=0.1). All at once, when a selection is made: pinning gigabytes
-        takes a second or more, which a slot's first use would otherwise add to a training
-        step. A buffer is replaced (with 1% headroom: re-selection changes the sizes a
-        little) only when a group outgrows it.
+        All slots at once, when a selection is made: pinning gigabytes takes a second or
+        more, which a slot's first use would otherwise add to a training step. A slot is
+        replaced (with 1% headroom: re-selection changes the sizes a little) only when a
+        group outgrows it.
         """
         from megatron_ext.offload.io import aligned_empty
 
-        for group, n in self.cpu_plan.sizes.items():
-            buf = self._upload_dev.get(group)
-            if buf is None or buf.numel() < n:
-                self._upload_dev[group] = torch.empty(int(n * 1.01) + 1, dtype=self.model_dtype,
-                                                      device=self.device)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         for stage in self._stage:
             for group, n in self.cpu_plan.sizes.items():
@@ -600,7 +543,6 @@ class ZenFlowEngine:
             "zenflow/cpu_accumulate_bg_s": busy["accumulate"] / steps,
             "zenflow/d2h_bytes": self._stats["d2h_bytes"] / steps,
             "zenflow/h2d_bytes": self._stats["h2d_bytes"] / steps,
-            "zenflow/uploads_early": float(self._stats["uploads_early"]),
             "zenflow/device_state_gib": self.device_state_bytes() / 2**30,
             "zenflow/host_state_gib": self.host_state_bytes() / 2**30,
         }
