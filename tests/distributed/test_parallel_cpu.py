@@ -39,7 +39,9 @@ def test_two_ranks_train_and_loss_falls(tmp_path, layout):
     assert_loss_falls(losses)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# bf16 only: its fp32 main params are the larger state; fp32 resume is exact at world size 1
+# (tests/functional/test_train_cpu.py) and the two-rank fp32 run ~95 s on 2 cores.
+@pytest.mark.parametrize("precision", ["bf16"])
 def test_resume_is_bitwise_exact_at_world_size_2(tmp_path, precision):
     flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
              *precision_flags(precision)]

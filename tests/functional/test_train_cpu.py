@@ -44,11 +44,20 @@ def test_resume_is_bitwise_exact(tmp_path, precision):
     assert losses_of(resumed) == losses_of(straight)
 
 
+SIGNAL_FLAGS = [*TINY, "--train-iters", "30", "--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def signal_straight(tmp_path_factory):
+    """Losses of SIGNAL_FLAGS run straight through (once for both signals)."""
+    straight = tmp_path_factory.mktemp("signal") / "straight.jsonl"
+    run_pretrain([*SIGNAL_FLAGS, "--metrics-path", str(straight)])
+    return train_losses(straight)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
-def test_exit_signal_saves_and_resume_is_exact(tmp_path, signum):
-    flags = [*TINY, "--train-iters", "30", "--use-distributed-optimizer"]
-    straight = tmp_path / "straight.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(straight)])
+def test_exit_signal_saves_and_resume_is_exact(tmp_path, signal_straight, signum):
+    flags = SIGNAL_FLAGS
     ckpt = tmp_path / "ckpt"
     first = tmp_path / "first.jsonl"
     proc = launch([*flags, "--save", str(ckpt), "--metrics-path", str(first)])
@@ -66,7 +75,7 @@ def test_exit_signal_saves_and_resume_is_exact(tmp_path, signum):
     assert len(train_losses(first)) == stopped
     second = tmp_path / "second.jsonl"
     run_pretrain([*flags, "--load", str(ckpt), "--save", str(ckpt), "--metrics-path", str(second)])
-    assert train_losses(first) + train_losses(second) == train_losses(straight)
+    assert train_losses(first) + train_losses(second) == signal_straight
 
 
 def test_fp16_resume_restores_loss_scale(tmp_path):

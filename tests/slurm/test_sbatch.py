@@ -21,6 +21,9 @@ import pytest
 
 from tests.slurm.cluster import SlurmCluster, free_ports
 
+# With pytest -n (xdist), one worker runs them all: one Slurm cluster per session.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_DIR = ROOT / "examples" / "slurm"
 SINGLE = SLURM_DIR / "pretrain_gpt.sbatch"
