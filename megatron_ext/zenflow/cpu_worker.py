@@ -107,7 +107,7 @@ def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Opti
     other ranks of its node, all of which leave the same first LOOP_CPUS x ranks CPUs to
     their loops' threads. No confinement (None) when fewer CPUs than that would be left to
     the host threads. On the 16-core H200 machine (1.28B GPT, k=0.1, S=4; bench/results/
-    2026-12-01b-h200-zenflow and -c-): 0.237 and 0.249 s per step with the host threads on
+    2026-12-01b-h200, calls 1 and 4): 0.237 and 0.249 s per step with the host threads on
     every CPU, 0.213 and 0.224 on CPUs 2-15 (0.184 and 0.190 without offload): the loop's
     forward-backward went from 0.143-0.154 s back to 0.133-0.136, the no-offload figure.
     """
