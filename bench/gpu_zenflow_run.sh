@@ -7,7 +7,9 @@
 #   OUT=/dir TESTS=tests/gpu/test_gpu_zenflow.py CONFIGS=no-offload,mcore-offload,host-only,zenflow \
 #       bash bench/gpu_zenflow_run.sh
 #   OUT=/dir CONFIGS=zenflow,deepspeed-zero-offload,deepspeed-zenflow bash bench/gpu_zenflow_run.sh
-# TESTS_LAST=1: the tests after the benchmark; TESTS_TIMEOUT: seconds for them (600).
+# TESTS_LAST=1: the tests after the benchmark; TESTS_TIMEOUT: seconds for them (600);
+# TESTS_ARGS: more pytest flags (e.g. "-n 6": six test processes on the one GPU, with the
+# carried pytest-xdist and execnet wheels).
 # CONFIGS unset: all six; CONFIGS= (empty): no benchmark (tests only). BENCH_ARGS: more
 # zenflow_bench.py flags (--topk, --interval, --windows, ...). DS_SETUP=full: the bundle's
 # whole setup_on_gpu.sh (also builds async_io, ~1 min more); by default only its install
@@ -40,7 +42,7 @@ CONFIGS="${CONFIGS-no-offload,mcore-offload,host-only,zenflow,deepspeed-zero-off
 run_tests() {
   [ -n "${TESTS:-}" ] || return 0
   echo "== pytest $TESTS ($(date -u +%H:%M:%S))"
-  timeout "${TESTS_TIMEOUT:-600}" python3 -m pytest -q $TESTS -p no:cacheprovider 2>&1 \
+  timeout "${TESTS_TIMEOUT:-600}" python3 -m pytest -q $TESTS ${TESTS_ARGS:-} -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_tests.txt" | tail -15
 }
 [ -n "${TESTS_LAST:-}" ] || run_tests

@@ -38,6 +38,13 @@ iterations at S=4) are measured. Every configuration, the DeepSpeed ones (``--wa
 numbers of steps, so that the rows are comparable. The per-iteration time is
 ``time/iteration_s`` of the JSONL (the bundle: its fwd+bwd+step per step).
 
+``--window-records``: pretrain_gpt.py logs once per window (``--log-interval S``) instead
+of every iteration, so no metric is read from the GPU between a window's steps (reading
+one waits for the copies in flight: the delayed gradients' 2.3 GB D2H on the reference GPT);
+each record is then its window's mean step, and min/max/median are over windows. This is
+how a run that logs every S or more steps sees its steps; the per-position profile of the
+window is not available then.
+
 Reported per configuration (in the JSON, and in the table on stdout): mean / median / min /
 max (n) of the step time, its ratio to no-offload's mean (when no-offload ran), the peak
 resident set size of the process (wait4's ru_maxrss: the host memory it really used,
@@ -191,6 +198,7 @@ def model_params(output: str, records: list, shape: dict) -> dict:
 def run_config(name: str, a, shape: dict, base: list) -> dict:
     """Runs one megatron_ext configuration; returns its summary."""
     extra = config_args(name, a)
+    per_record = a.interval if a.window_records else 1
     dropped, measured_n = a.warmup_windows * a.interval, a.windows * a.interval
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
@@ -208,11 +216,11 @@ def run_config(name: str, a, shape: dict, base: list) -> dict:
         result["losses"] = [r["lm_loss"] for r in records]
         result["final_loss"] = records[-1]["lm_loss"]
         result["step_times_s"] = [r["time/iteration_s"] for r in records]
-    if returncode != 0 or len(records) != dropped + measured_n:
+    if returncode != 0 or len(records) != (dropped + measured_n) // per_record:
         result["tail"] = output.strip().splitlines()[-25:]
         print("\n".join(result["tail"][-8:]), flush=True)
         return result
-    measured = records[dropped:]
+    measured = records[dropped // per_record:]
     times = [r["time/iteration_s"] for r in measured]
     result["step_s"] = summarize(times)
     result["optimizer_s"] = summarize([r["time/optimizer_s"] for r in measured])
@@ -241,7 +249,7 @@ def run_config(name: str, a, shape: dict, base: list) -> dict:
             "rho_mean": statistics.fmean(r["zenflow/rho"] for r in measured),
             "device_state_gib": measured[-1]["zenflow/device_state_gib"],
             "host_state_gib": measured[-1]["zenflow/host_state_gib"],
-            "window_profile_s": window_profile(times, s),
+            "window_profile_s": None if a.window_records else window_profile(times, s),
             "first_step_s": records[0]["time/iteration_s"],
         }
     st = result["step_s"]
@@ -379,7 +387,8 @@ def print_table(results: dict) -> None:
         ratios = [f"{key[len('mean_over_'):]} x{value:.2f}" for key, value in run.items()
                   if key.startswith("mean_over_")]
         z = run["zenflow"]
-        profile = " / ".join(f"{t:.3f}" for t in z["window_profile_s"])
+        profile = (" / ".join(f"{t:.3f}" for t in z["window_profile_s"])
+                   if z["window_profile_s"] else "- (one record per window)")
         print(f"{run['config']} mean step over: {', '.join(ratios) or '-'}; mean step by "
               f"position in the window (s): {profile}; "
               f"M = {run['params']} ({run['params_source']})")
@@ -426,6 +435,9 @@ def main() -> int:
     p.add_argument("--extra-args", default="",
                    help="more pretrain_gpt.py flags for every megatron_ext configuration, one "
                         "string (e.g. \"--profile --profile-dir prof\")")
+    p.add_argument("--window-records", action="store_true",
+                   help="log once per window (--log-interval S): each record is a window's "
+                        "mean step, and no metric is read between a window's steps")
     p.add_argument("--output", required=True, help="results JSON (rewritten after each run)")
     a = p.parse_args()
     configs = [c for c in a.configs.split(",") if c]
@@ -437,6 +449,8 @@ def main() -> int:
         p.error("--interval and --windows must be >= 1, --warmup-windows >= 0")
     shape = TINY if a.tiny else reference_shape()
     base = pretrain_args(shape, a) + shlex.split(a.extra_args)
+    if a.window_records:
+        base[base.index("--log-interval") + 1] = str(a.interval)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(shlex.quote(x) for x in sys.argv),
                "machine": machine_facts(), "shape": shape, "pretrain_args": base,
@@ -444,7 +458,8 @@ def main() -> int:
                          "select_interval_N": a.select_interval,
                          "dropped_steps": a.warmup_windows * a.interval,
                          "measured_steps": a.windows * a.interval,
-                         "step_time": "mean over whole windows of time/iteration_s"},
+                         "step_time": "mean over whole windows of time/iteration_s",
+                         "records": "one per window" if a.window_records else "one per step"},
                "runs": []}
     print(f"machine: {json.dumps(results['machine'])}", flush=True)
     out = Path(a.output)

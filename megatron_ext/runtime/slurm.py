@@ -47,21 +47,42 @@ def first_host(nodelist: str) -> str:
     return expand_nodelist(nodelist)[0]
 
 
+def tasks_per_node(spec: str) -> List[int]:
+    """Slurm's per-node task counts (``SLURM_STEP_TASKS_PER_NODE``) as a list.
+
+    ``"4(x2),3"`` -> ``[4, 4, 3]``; an unreadable spec gives ``[]``.
+    """
+    counts: List[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            return []
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
 def torch_env_from_slurm(env: Mapping[str, str]) -> Optional[Dict[str, str]]:
     """Returns the torch.distributed variables for a task started by plain ``srun``.
 
     None when the process was not started by srun, or when torchrun already set them.
     MASTER_PORT defaults to a port derived from the job id so that two jobs sharing a
-    node do not collide.
+    node do not collide. LOCAL_WORLD_SIZE (the tasks of this step on this node, as torchrun
+    sets it) comes from SLURM_STEP_TASKS_PER_NODE and SLURM_NODEID when Slurm gives them.
     """
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
-    return {
+    out = {
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": env["SLURM_NTASKS"],
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist),
         "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + job_id % 20000),
     }
+    counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or
+                            env.get("SLURM_TASKS_PER_NODE") or "")
+    node = env.get("SLURM_NODEID", "")
+    if node.isdigit() and int(node) < len(counts) and "LOCAL_WORLD_SIZE" not in env:
+        out["LOCAL_WORLD_SIZE"] = str(counts[int(node)])
+    return out

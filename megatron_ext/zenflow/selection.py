@@ -214,6 +214,22 @@ class Piece:
 
 
 @dataclasses.dataclass
+class _WholeRuns:
+    """The whole-shard pieces of one param group that share one storage, as two indices.
+
+    ``source``: the pieces' elements in the flat storage; ``compact``: their places in the
+    side's compact buffer. One ``index_select`` and one ``index_copy_`` move all of them
+    instead of a copy per piece (a GPT's norms and biases are hundreds of small tensors:
+    on the GPU, their launches cost more than their bytes).
+    """
+
+    storage: torch.Tensor
+    """A 1-D tensor over the whole storage (the model's param or grad buffer)."""
+    source: torch.Tensor
+    compact: torch.Tensor
+
+
+@dataclasses.dataclass
 class Plan:
     """Where each element of a side's compact per-group buffers lives in the model."""
 
@@ -221,10 +237,63 @@ class Plan:
     """Param group -> pieces in buffer order."""
     sizes: Dict[int, int]
     """Param group -> elements."""
+    _runs: Dict[tuple, tuple] = dataclasses.field(default_factory=dict, repr=False,
+                                                  compare=False)
+
+    def _whole(self, group: int, flat_of) -> tuple:
+        """(runs over shared storages, ids of the pieces they cover) for ``group``.
+
+        The whole-shard pieces of the group whose tensors share a storage with another
+        piece's (megatron-core's param and grad buffers) are moved by the runs; the others
+        one by one. Recomputed whenever a piece's tensor lives elsewhere than at the last
+        call (the key is every piece's storage and offset), so a replaced buffer is never
+        written through stale indices.
+        """
+        whole = [p for p in self.pieces.get(group, ()) if p.segment is None and p.length]
+        views = [flat_of(p.shard) for p in whole]
+        key = (group, tuple((v.untyped_storage().data_ptr(), v.storage_offset(), v.numel(),
+                             v.dtype, v.is_contiguous()) for v in views))
+        cached = self._runs.get(key)
+        if cached is not None:
+            return cached
+        by_storage: Dict[int, list] = {}
+        for piece, view in zip(whole, views):
+            if view.is_contiguous() and view.dim() == 1:
+                by_storage.setdefault(view.untyped_storage().data_ptr(), []).append(
+                    (piece, view))
+        runs, covered = [], set()
+        for members in by_storage.values():
+            if len(members) < 2:
+                continue
+            view = members[0][1]
+            source = torch.cat([torch.arange(v.storage_offset(), v.storage_offset() + v.numel())
+                                for _, v in members])
+            compact = torch.cat([torch.arange(p.offset, p.offset + p.length)
+                                 for p, _ in members])
+            runs.append(_WholeRuns(view.new_empty(0).set_(view.untyped_storage()),
+                                   source.to(view.device), compact.to(view.device)))
+            covered.update(id(p) for p, _ in members)
+        if len(self._runs) > 8:  # buffers replaced again and again: keep the newest only
+            self._runs.clear()
+        self._runs[key] = (runs, covered)
+        return runs, covered
+
+    def _batched(self, group: int, flat_of, device: torch.device) -> tuple:
+        """The runs and the pieces they cover, if the runs' storages are on ``device``."""
+        runs, covered = self._whole(group, flat_of)
+        if any(run.storage.device != device for run in runs):
+            return [], set()  # e.g. host copies of a device model's states: piece by piece
+        return runs, covered
 
     def gather(self, group: int, flat_of, out: torch.Tensor) -> torch.Tensor:
         """Fills ``out`` (the group's compact buffer) from ``flat_of(shard)`` tensors."""
+        runs, covered = self._batched(group, flat_of, out.device)
+        for run in runs:
+            out.index_copy_(0, run.compact,
+                            run.storage.index_select(0, run.source).to(out.dtype))
         for piece in self.pieces.get(group, ()):
+            if id(piece) in covered:
+                continue
             dst = out[piece.offset:piece.offset + piece.length]
             src = flat_of(piece.shard)
             if piece.segment is None:
@@ -237,7 +306,13 @@ class Plan:
 
     def scatter(self, group: int, values: torch.Tensor, flat_of) -> None:
         """Writes the group's compact ``values`` into ``flat_of(shard)`` tensors (cast)."""
+        runs, covered = self._batched(group, flat_of, values.device)
+        for run in runs:
+            run.storage.index_copy_(0, run.source,
+                                    values.index_select(0, run.compact).to(run.storage.dtype))
         for piece in self.pieces.get(group, ()):
+            if id(piece) in covered:
+                continue
             src = values[piece.offset:piece.offset + piece.length]
             dst = flat_of(piece.shard)
             if piece.segment is None:

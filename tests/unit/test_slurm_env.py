@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_ext.runtime.slurm import expand_nodelist, torch_env_from_slurm
+from megatron_ext.runtime.slurm import expand_nodelist, tasks_per_node, torch_env_from_slurm
 
 
 @pytest.mark.parametrize("nodelist,hosts", [
@@ -29,3 +29,23 @@ def test_env_from_srun():
 def test_torchrun_env_wins_and_no_slurm_means_none():
     assert torch_env_from_slurm({"RANK": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
     assert torch_env_from_slurm({}) is None
+
+
+@pytest.mark.parametrize("spec,counts", [
+    ("4", [4]), ("4(x2),3", [4, 4, 3]), ("2,1(x3)", [2, 1, 1, 1]), ("", []), ("x", []),
+])
+def test_tasks_per_node(spec, counts):
+    assert tasks_per_node(spec) == counts
+
+
+def test_local_world_size_from_the_step_layout():
+    """Plain srun sets no LOCAL_WORLD_SIZE: it comes from the step's tasks on this node (the
+    ZenFlow CPU rule reads it), the step's layout before the job's."""
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "4,3", "SLURM_TASKS_PER_NODE": "8(x2)"}
+    assert torch_env_from_slurm(env)["LOCAL_WORLD_SIZE"] == "3"
+    del env["SLURM_STEP_TASKS_PER_NODE"]
+    assert torch_env_from_slurm(env)["LOCAL_WORLD_SIZE"] == "8"
+    assert "LOCAL_WORLD_SIZE" not in torch_env_from_slurm({**env, "SLURM_NODEID": "2"})
+    assert "LOCAL_WORLD_SIZE" not in torch_env_from_slurm({**env, "LOCAL_WORLD_SIZE": "2"})

@@ -270,3 +270,87 @@ def test_scatter_casts_to_the_target_dtype():
     want[4:27] += 1
     assert shard.model_param.dtype == torch.bfloat16
     assert torch.equal(shard.model_param.view(-1), want)
+
+
+def _buffer_shards(gen, dtype=torch.bfloat16):
+    """Shards whose params and grads are views into one param and one grad buffer (as
+    megatron-core's DDP lays them out): 1-D params, matrices, and a 1-D param on its own."""
+    shapes = [(7,), (4, 6), (3,), (5,), (2, 8), (9,), (1,)]
+    total = sum(math.prod(s) for s in shapes)
+    params = int_tensor((total,), gen).to(dtype)
+    grads = int_tensor((total,), gen).to(dtype)
+    shards, pos = [], 0
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        param = params[pos:pos + n].view(shape)
+        param.main_grad = grads[pos:pos + n].view(shape)
+        start = 1 if i == 1 else 0  # a DP-style cut in one matrix
+        shards.append(Shard(param, i % 2, start, n))
+        pos += n
+    lone = int_tensor((6,), gen).to(dtype)  # its own storage: copied piece by piece
+    lone.main_grad = int_tensor((6,), gen).to(dtype)
+    shards.append(Shard(lone, 1, 0, 6))
+    return shards, params, grads
+
+
+def test_whole_pieces_in_a_shared_buffer_move_in_one_batch_exactly():
+    """1-D shards that share megatron-core's buffers are gathered and scattered with one
+    index_select/index_copy_ per buffer: the same values as one copy per piece, casts
+    included, nothing outside the pieces written; a replaced buffer is picked up."""
+    gen = torch.Generator().manual_seed(11)
+    shards, params, grads = _buffer_shards(gen)
+    matrices = matrices_of(shards)[1]
+    masks = {m.shard: torch.arange(m.cols) % 2 == 0 for m in matrices}
+    gpu, cpu = build_plans(shards, matrices, masks, torch.device("cpu"))
+    for group in sorted(gpu.sizes):
+        runs, covered = gpu._whole(group, lambda i: shards[i].grad())
+        assert len(runs) == 1 and len(covered) >= 2
+        assert all(id(p) not in covered for p in gpu.pieces[group] if p.shard == 7)
+
+        def one_by_one(flat_of, out):
+            for piece in gpu.pieces[group]:
+                dst = out[piece.offset:piece.offset + piece.length]
+                if piece.segment is None:
+                    dst.copy_(flat_of(piece.shard))
+                else:
+                    block = piece.segment.view(flat_of(piece.shard))
+                    dst.view(piece.segment.rows, -1).copy_(block.index_select(1, piece.index))
+            return out
+
+        n = gpu.sizes[group]
+        want = one_by_one(lambda i: shards[i].grad(), torch.empty(n, dtype=grads.dtype))
+        got = gpu.gather(group, lambda i: shards[i].grad(), torch.empty(n, dtype=grads.dtype))
+        assert torch.equal(got, want)
+        # fp32 masters from bf16 weights, and back with a cast that rounds (x + 1/3).
+        masters = gpu.gather(group, lambda i: shards[i].weights(), torch.empty(n))
+        assert torch.equal(masters, one_by_one(lambda i: shards[i].weights(), torch.empty(n)))
+        expected = params.clone()
+        lone_expected = shards[7].model_param.clone()
+        for piece in gpu.pieces[group]:
+            new = (masters[piece.offset:piece.offset + piece.length] + 1 / 3)
+            s = shards[piece.shard]
+            target = (lone_expected.view(-1) if piece.shard == 7 else
+                      expected[s.model_param.storage_offset():][:s.model_param.numel()])
+            target = target[s.start:s.end]
+            if piece.segment is None:
+                target.copy_(new)
+            else:
+                piece.segment.view(target).index_copy_(
+                    1, piece.index, new.view(piece.segment.rows, -1).to(target.dtype))
+        gpu.scatter(group, masters + 1 / 3, lambda i: shards[i].weights())
+        assert torch.equal(params, expected)
+        assert torch.equal(shards[7].model_param, lone_expected)
+    # A new grad buffer (same layout): the runs follow it, the old one is not read.
+    fresh = torch.zeros_like(grads)
+    for s in shards[:7]:
+        n = s.model_param.numel()
+        s.model_param.main_grad = fresh[s.model_param.storage_offset():][:n].view(
+            s.model_param.shape)
+    for group in sorted(gpu.sizes):
+        got = gpu.gather(group, lambda i: shards[i].grad(),
+                         torch.full((gpu.sizes[group],), 5.0, dtype=grads.dtype))
+        from_lone = [p for p in gpu.pieces[group] if p.shard == 7]
+        zero = torch.ones_like(got, dtype=torch.bool)
+        for p in from_lone:
+            zero[p.offset:p.offset + p.length] = False
+        assert torch.equal(got[zero], torch.zeros(int(zero.sum()), dtype=grads.dtype))
