@@ -39,9 +39,10 @@ numbers of steps, so that the rows are comparable. The per-iteration time is
 ``time/iteration_s`` of the JSONL (the bundle: its fwd+bwd+step per step).
 
 ``--window-records``: pretrain_gpt.py logs once per window (``--log-interval S``) instead
-of every iteration, so no metric is read from the GPU between a window's steps (reading
-one waits for the copies in flight: the delayed gradients' 2.3 GB D2H on the reference GPT);
-each record is then its window's mean step, and min/max/median are over windows. This is
+of every iteration, so no metric is read from the GPU between a window's steps (such a
+read may wait for the copies in flight, e.g. the delayed gradients' 2.3 GB D2H on the
+reference GPT: the hypothesis of bench/results/2026-12-01c-h200, not yet measured); each
+record is then its window's mean step, and min/max/median are over windows. This is
 how a run that logs every S or more steps sees its steps; the per-position profile of the
 window is not available then.
 
