@@ -77,6 +77,7 @@ def summarize(events: List[dict], labels, top: int) -> Dict[str, dict]:
 
 
 def main(argv=None) -> int:
+    """Prints the summary of one trace; 2 for an unreadable one."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="the Chrome trace of --profile (.json or .json.gz)")
     p.add_argument("--labels", nargs="+", default=list(DEFAULT_LABELS),

@@ -10,12 +10,14 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import sys
 import warnings
 
 import torch
 
 from megatron_ext.data.datasets import build_loader
+from megatron_ext.errors import UsageError
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import (
     MetricsWriter,
@@ -41,6 +43,25 @@ def _quiet_optional_dependencies() -> None:
                     ".*`load_state_dict` is deprecated.*", ".*deprecating ShardedTensor.*"):
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+STEP_SYNC_ENV = "MEGATRON_EXT_STEP_SYNC"
+
+
+def step_sync_mode() -> str:
+    """What the phase timers wait for on a GPU: $MEGATRON_EXT_STEP_SYNC, ``device`` or ``stream``.
+
+    ``device`` (the default): every stream of the device, so each phase's time includes
+    the copies an optimizer left running on its own streams. ``stream``: the training
+    stream only; such copies (ZenFlow's delayed gradients to the host) go on into the next
+    iteration, and whatever waits for them later (a read of a metric from the GPU) pays
+    for them there. The iteration time is wall time either way.
+    """
+    value = os.environ.get(STEP_SYNC_ENV, "").strip() or "device"
+    if value not in ("device", "stream"):
+        raise UsageError(f"{STEP_SYNC_ENV}={value}: give device (wait for every stream, the "
+                         "default) or stream (the training stream only)")
+    return value
 
 
 def _setup_logging(rank: int) -> None:
@@ -103,6 +124,7 @@ class Trainer:
         from megatron_ext.training.optimizer import build_optimizer, build_scheduler
 
         self.cfg = cfg
+        self._sync_stream_only = step_sync_mode() == "stream"
         self.runtime = rt = initialize(cfg)
         _setup_logging(rt.rank)
         tokenizer = build_tokenizer(cfg.data)
@@ -157,7 +179,12 @@ class Trainer:
                     chunk.enable_forward_pre_hook()
 
     def _synchronize(self) -> None:
-        if not self.runtime.is_cpu:
+        """Waits for the GPU's work before a phase's time is taken (see step_sync_mode)."""
+        if self.runtime.is_cpu:
+            return
+        if self._sync_stream_only:
+            torch.cuda.current_stream(self.runtime.device).synchronize()
+        else:
             torch.cuda.synchronize()
 
     def train_step(self, data_iterator):

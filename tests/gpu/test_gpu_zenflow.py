@@ -43,6 +43,17 @@ def test_zenflow_async_on_cuda(tmp_path):
     assert 0 < records[-1]["zenflow/device_state_gib"] < records[-1]["zenflow/host_state_gib"]
 
 
+def test_zenflow_losses_do_not_depend_on_the_step_sync(tmp_path):
+    """MEGATRON_EXT_STEP_SYNC=stream lets the D2H of the delayed grads run into the next
+    iteration: the streams' events still order every use, so the losses are the same bit
+    for bit as with the device-wide synchronize."""
+    flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8"]
+    device, stream = tmp_path / "device.jsonl", tmp_path / "stream.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(device)])
+    run_pretrain([*flags, "--metrics-path", str(stream)], env={"MEGATRON_EXT_STEP_SYNC": "stream"})
+    assert losses_of(read_metrics(stream)) == losses_of(read_metrics(device))
+
+
 def test_zenflow_resume_on_cuda(tmp_path):
     flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8"]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=6)

@@ -13,8 +13,10 @@ import profile_summary  # noqa: E402
 
 
 def _trace():
-    x = lambda name, cat, ts, dur, tid=1, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts,
-                                                   "dur": dur, "tid": tid, "args": args}
+    def x(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid,
+                "args": args}
+
     return [
         x("optimizer/update", "user_annotation", 0, 1000),
         x("cudaLaunchKernel", "cuda_runtime", 10, 5, correlation=1),
