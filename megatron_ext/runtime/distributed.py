@@ -28,6 +28,8 @@ class Runtime:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    host_group: object = None
+    """All ranks over gloo, for host-side agreement (exit signals); None for one process."""
 
     @property
     def is_cpu(self) -> bool:
@@ -97,6 +99,10 @@ def initialize(cfg) -> Runtime:
             world_size=world,
             timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
+    host_group = None
+    if world > 1:  # on the CPU the default group is gloo already
+        host_group = (torch.distributed.new_group(backend="gloo") if backend == "nccl"
+                      else torch.distributed.group.WORLD)
     from megatron.core import parallel_state
 
     from megatron_ext.runtime import grad_norm
@@ -118,6 +124,7 @@ def initialize(cfg) -> Runtime:
         dp_rank=parallel_state.get_data_parallel_rank(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        host_group=host_group,
     )
     set_seed(cfg.training.seed, runtime)
     return runtime

@@ -49,18 +49,21 @@ STEP_SYNC_ENV = "MEGATRON_EXT_STEP_SYNC"
 
 
 def step_sync_mode() -> str:
-    """What the phase timers wait for on a GPU: $MEGATRON_EXT_STEP_SYNC, ``device`` or ``stream``.
+    """What the phase timers wait for on a GPU: $MEGATRON_EXT_STEP_SYNC, ``stream`` or ``device``.
 
-    ``device`` (the default): every stream of the device, so each phase's time includes
-    the copies an optimizer left running on its own streams. ``stream``: the training
-    stream only; such copies (ZenFlow's delayed gradients to the host) go on into the next
-    iteration, and whatever waits for them later (a read of a metric from the GPU) pays
-    for them there. The iteration time is wall time either way.
+    ``stream`` (the default): the training stream only; copies an optimizer leaves running
+    on its own streams (ZenFlow's delayed gradients to the host, the CPU update's weights
+    to the GPU) go on into the next iteration, which is what their streams are for, and
+    whatever waits for them later pays for them there. ``device``: every stream of the
+    device, so each phase's time includes those copies (and the next iteration starts only
+    after them). The iteration time is wall time either way. megatron-core's own timers
+    (forward, backward, gradient sync) wait the same way (:mod:`.timers`): theirs would
+    synchronize the whole device at every micro-batch.
     """
-    value = os.environ.get(STEP_SYNC_ENV, "").strip() or "device"
+    value = os.environ.get(STEP_SYNC_ENV, "").strip() or "stream"
     if value not in ("device", "stream"):
-        raise UsageError(f"{STEP_SYNC_ENV}={value}: give device (wait for every stream, the "
-                         "default) or stream (the training stream only)")
+        raise UsageError(f"{STEP_SYNC_ENV}={value}: give stream (wait for the training "
+                         "stream only, the default) or device (for every stream)")
     return value
 
 
@@ -99,15 +102,53 @@ def _sum_reports(losses_reduced, device) -> torch.Tensor:
     return total
 
 
-def _global_mean(local_sum_count: torch.Tensor) -> float:
-    """Token-weighted mean over the data-parallel ranks of the last pipeline stage.
+class _ToHost:
+    """A small device tensor's values on their way to pinned host memory.
 
-    Other stages contribute zeros; TP ranks of the last stage contribute equal copies,
-    which leave the ratio unchanged.
+    The copy is queued on the current stream when made and read by :meth:`get`. Made
+    before an optimizer launches large copies to the host on its side streams, it is not
+    queued behind them: a GPU serves copies to the host in order, so a plain ``.item()``
+    after ZenFlow's step would wait for its 2.3 GB of delayed gradients
+    (bench/copy_probe.py: 40 ms on the H200).
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor.clone()
+
+    def get(self) -> torch.Tensor:
+        """The values (waits for the copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+def _global_sum(local_sum_count: torch.Tensor) -> _ToHost:
+    """Sums (loss, tokens) over all ranks; the result on its way to the host.
+
+    Other pipeline stages contribute zeros; TP ranks of the last stage contribute equal
+    copies, which leave the ratio unchanged.
     """
     total = local_sum_count.clone()
     torch.distributed.all_reduce(total)
-    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    return _ToHost(total)
+
+
+def _mean(total: _ToHost) -> float:
+    """Token-weighted mean of a :func:`_global_sum`."""
+    loss, tokens = total.get().tolist()
+    return loss / tokens if tokens > 0 else float("nan")
+
+
+def _global_mean(local_sum_count: torch.Tensor) -> float:
+    """Token-weighted mean over the data-parallel ranks of the last pipeline stage."""
+    return _mean(_global_sum(local_sum_count))
 
 
 class Trainer:
@@ -115,13 +156,13 @@ class Trainer:
 
     def __init__(self, cfg):
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.timers import Timers
 
         from megatron_ext.data.datasets import build_datasets
         from megatron_ext.data.tokenizer import build_tokenizer
         from megatron_ext.model import build_model, padded_vocab_size
         from megatron_ext.runtime.distributed import initialize
         from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+        from megatron_ext.training.timers import SyncTimers
 
         self.cfg = cfg
         self._sync_stream_only = step_sync_mode() == "stream"
@@ -135,7 +176,7 @@ class Trainer:
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
         self.optimizer = build_optimizer(cfg, self.model, rt)
         self.scheduler = build_scheduler(cfg, self.optimizer)
-        self.timers = Timers(log_level=2, log_option="max")
+        self.timers = SyncTimers(self._synchronize, log_level=2, log_option="max")
         self._wire_megatron_hooks(finalize_model_grads)
         self.state = ckpt.TrainState()
         if load_dir:
@@ -187,8 +228,14 @@ class Trainer:
         else:
             torch.cuda.synchronize()
 
-    def train_step(self, data_iterator):
-        """One iteration: forward/backward over the micro-batches, then the optimizer."""
+    def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False):
+        """One iteration: forward/backward over the micro-batches, then the optimizer.
+
+        Adds the iteration's (loss, tokens) into ``interval_loss``. With ``logs`` (the
+        iteration is logged) returns what the log reads from the GPU, on its way to the
+        host before the optimizer step (see :class:`_ToHost`): the global (loss, tokens)
+        sum and the loss scale this iteration's backward ran with; else None.
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg = self.cfg
@@ -207,12 +254,18 @@ class Trainer:
         )
         self._synchronize()
         t_fb = watch.lap()
+        interval_loss += _sum_reports(losses, self.runtime.device)
+        reads = None
+        if logs:
+            scale = self.optimizer.get_loss_scale()
+            reads = {"loss": _global_sum(interval_loss),
+                     "loss_scale": _ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
         ok, grad_norm, _ = self.optimizer.step()
         self._synchronize()
         t_opt = watch.lap()
         if ok:
             self.scheduler.step(increment=1)
-        return losses, ok, grad_norm, t_fb, t_opt
+        return reads, ok, grad_norm, t_fb, t_opt
 
     def evaluate(self) -> float:
         """Loss on the first --eval-iters global batches of the validation split."""
@@ -252,9 +305,10 @@ class Trainer:
         self.last_saved = self.state.iteration
         log.info("saved checkpoint %s in %.2f s", path, watch.lap())
 
-    def _log(self, interval_loss, iters, t_fb, t_opt, elapsed, grad_norm) -> None:
+    def _log(self, reads: dict, iters, t_fb, t_opt, elapsed, grad_norm) -> None:
         cfg, rt = self.cfg, self.runtime
-        loss = _global_mean(interval_loss)
+        loss = _mean(reads["loss"])
+        scale = reads["loss_scale"]
         timer = lambda name: self.timers(name).elapsed(reset=True) / iters  # noqa: E731
         gbs = cfg.training.global_batch_size
         per_iter = elapsed / iters
@@ -266,7 +320,7 @@ class Trainer:
             "lm_loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": maybe_float(grad_norm),
-            "loss_scale": maybe_float(self.optimizer.get_loss_scale()),
+            "loss_scale": maybe_float(scale.get() if isinstance(scale, _ToHost) else scale),
             "skipped_iterations": self.state.skipped_iterations,
             "time/iteration_s": per_iter,
             "time/forward_backward_s": t_fb / iters,
@@ -298,22 +352,22 @@ class Trainer:
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
         with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
-                profiler.before(self.state.iteration + 1)
-                losses, ok, grad_norm, fb, opt = self.train_step(data_iterator)
-                self.state.iteration += 1
+                it = self.state.iteration + 1
+                profiler.before(it)
+                logs = it % train.log_interval == 0 or it == train.train_iters
+                reads, ok, grad_norm, fb, opt = self.train_step(data_iterator, interval_loss, logs)
+                self.state.iteration = it
                 profiler.after(self.state.iteration)
                 self.state.consumed_train_samples += train.global_batch_size
                 if ok:
                     self.state.optimizer_steps += 1
                 else:
                     self.state.skipped_iterations += 1
-                interval_loss += _sum_reports(losses, rt.device)
                 iters += 1
                 t_fb += fb
                 t_opt += opt
-                it = self.state.iteration
-                if it % train.log_interval == 0 or it == train.train_iters:
-                    self._log(interval_loss, iters, t_fb, t_opt, window.lap(), grad_norm)
+                if logs:
+                    self._log(reads, iters, t_fb, t_opt, window.lap(), grad_norm)
                     interval_loss.zero_()
                     iters, t_fb, t_opt = 0, 0.0, 0.0
                 if train.eval_iters and it % train.eval_interval == 0 and it < train.train_iters:
@@ -323,7 +377,7 @@ class Trainer:
                 if ck.save_interval and it % ck.save_interval == 0:
                     self.save()
                     window.lap()
-                if signals.should_exit(rt.device):
+                if signals.should_exit(rt.host_group):
                     log.info("exit signal received: saving at iteration %d and exiting", it)
                     self.save()
                     return 0

@@ -2,7 +2,10 @@
 
 Slurm sends SIGTERM at preemption and, with ``--signal=USR1@T``, SIGUSR1 T seconds before
 the time limit. The handler only records the signal; the loop asks every rank at each
-boundary (one tiny all-reduce) so that all ranks stop at the same iteration.
+boundary (one tiny all-reduce) so that all ranks stop at the same iteration. The
+all-reduce runs on the host (gloo): a flag on the GPU would be one H2D and one D2H copy
+per iteration, and a small copy waits behind the large ones an optimizer may have in
+flight on its side streams (ZenFlow's delayed gradients), stalling every iteration.
 """
 
 from __future__ import annotations
@@ -34,9 +37,15 @@ class ExitSignalHandler:
     def _handle(self, signum, frame):
         self.received = signum
 
-    def should_exit(self, device) -> bool:
-        """True on every rank when any rank received an exit signal (a collective)."""
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32,
-                            device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    def should_exit(self, group) -> bool:
+        """True on every rank when any rank received an exit signal.
+
+        ``group``: a host (gloo) group of all ranks, where they agree with a collective;
+        None for a single process (nothing to agree on).
+        """
+        received = self.received is not None
+        if group is None:
+            return received
+        flag = torch.tensor([int(received)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
         return bool(flag.item())

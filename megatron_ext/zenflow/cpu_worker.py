@@ -178,6 +178,12 @@ class CpuSide:
                  threads: Optional[int] = None):
         self.model_dtype = model_dtype
         self.pin = pin
+        self.upload_guard: Optional[Callable[[], None]] = None
+        """Called before the upload buffers are written (the owner's wait for an
+        asynchronous copy still reading them)."""
+        self.after_update: Optional[Callable[[], None]] = None
+        """Called on the update thread once an update has written the upload buffers (the
+        owner starts their copy to the device there, before the window's boundary)."""
         self._pinned: Dict[int, torch.Tensor] = {}
         self._scratch = threading.local()
         self.master: Dict[int, torch.Tensor] = {}
@@ -241,8 +247,13 @@ class CpuSide:
             out[group] = buf[:n]
         return out
 
+    def _guard_upload(self) -> None:
+        if self.upload_guard is not None:
+            self.upload_guard()
+
     def _fresh_window_buffers(self, sizes: Dict[int, int]) -> None:
         """Zero accumulators and upload buffers of the per-group ``sizes``."""
+        self._guard_upload()
         self.sizes = dict(sizes)
         for store in self.acc:
             store.clear()
@@ -412,7 +423,10 @@ class CpuSide:
         def task():
             if last is not None:
                 last.result()
+            self._guard_upload()
             self._apply_adam(buffer, window, hp)
+            if self.after_update is not None:
+                self.after_update()
         self._update = self._update_pool.submit(self._timed("update", task))
         return self._update
 
@@ -423,6 +437,7 @@ class CpuSide:
 
     def masters_to_upload(self) -> None:
         """Casts the masters into the upload buffers (their weights enter the model next)."""
+        self._guard_upload()
         for group, master in self.master.items():
             self.upload[group].copy_(master)
 
@@ -575,6 +590,7 @@ class TieredCpuSide(CpuSide):
 
     def masters_to_upload(self) -> None:
         """The engine's masters, cast, into the upload buffers."""
+        self._guard_upload()
         if self.engine is not None:
             self.engine.write_all_params()
 

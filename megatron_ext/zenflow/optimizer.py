@@ -130,8 +130,26 @@ class ZenFlowEngine:
         self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(self._slots)]
         self._stage_free: List[Optional[object]] = [None] * self._slots
         self._slot = 0
+        # The CPU update's new weights go to the device on their own stream as soon as the
+        # update has finished (the update thread starts the copy), into a device buffer
+        # from which the window's boundary scatters them: the boundary step waits for no
+        # copy unless the update finished just before it.
+        self._upload_dev: Dict[int, torch.Tensor] = {}
+        self._upload_copy: Optional[object] = None
+        """The event of the pending update's copy to ``_upload_dev``, once started."""
+        self._last_copy: Optional[object] = None
+        """The event of the last copy from the host upload buffers (they are rewritten only
+        after it: ``cpu.upload_guard``)."""
+        self._rho_host: Optional[torch.Tensor] = None
+        self._rho_copied: Optional[object] = None
+        self._scattered: Optional[object] = None
+        """The event of the last boundary's scatter from ``_upload_dev`` (the next copy into
+        it waits for it)."""
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
+            self._h2d = torch.cuda.Stream(device)
+            self.cpu.upload_guard = self._wait_last_copy
+            self.cpu.after_update = self._start_upload_copy
         self._reset_stats()
 
     # ------------------------------------------------------------ helpers
@@ -144,7 +162,7 @@ class ZenFlowEngine:
 
     def _reset_stats(self) -> None:
         self._stats = {"steps": 0, "rho": 0.0, "stall_s": 0.0, "gpu_update_s": 0.0,
-                       "d2h_bytes": 0.0, "h2d_bytes": 0.0}
+                       "d2h_bytes": 0.0, "h2d_bytes": 0.0, "uploads_ready": 0}
         if hasattr(self, "cpu"):
             with self.cpu.lock:
                 self.cpu.busy = {k: 0.0 for k in self.cpu.busy}
@@ -199,7 +217,6 @@ class ZenFlowEngine:
         if plan.select and plan.step > 1:
             self._select(first=False)
         self._stats["steps"] += 1
-        self._stats["rho"] = self._stats["rho"] + rho
 
     def _send_delayed_grads(self, inv_scale, clip_coeff, last: bool, need_rho: bool = True):
         """Gathers the delayed columns' grads, queues their accumulation; returns rho.
@@ -226,20 +243,48 @@ class ZenFlowEngine:
                             if p.shard in self._counted]
             grads[group] = compact
         delayed_energy = _energy(counted, self.device)
+        energies = torch.stack([delayed_energy, total_energy])
+        if self.stats_group is not None and torch.distributed.get_world_size(self.stats_group) > 1:
+            torch.distributed.all_reduce(energies, group=self.stats_group)
+        if need_rho:
+            delayed, total = energies.tolist()
+            rho = delayed / total if total > 0 else 0.0
+        else:
+            delayed, total = energies.unbind()
+            rho = torch.where(total > 0, delayed / total, torch.zeros_like(total))
+        self._add_rho(rho)
+        # Every read from the GPU of this step is above: the D2H queued below is served
+        # before any later copy to the host (bench/copy_probe.py), so a read after it waits.
         ready = None
         if self.is_cuda and grads:
             grads, ready = self._to_host(slot, grads)
         self._stats["d2h_bytes"] += sum(g.numel() * g.element_size() for g in grads.values())
         self._stage_free[slot] = self.cpu.accumulate(self.schedule.buffer, grads, inv_scale,
                                                      clip_coeff, ready=ready, last=last)
-        energies = torch.stack([delayed_energy, total_energy])
-        if self.stats_group is not None and torch.distributed.get_world_size(self.stats_group) > 1:
-            torch.distributed.all_reduce(energies, group=self.stats_group)
-        if need_rho:
-            delayed, total = energies.tolist()
-            return delayed / total if total > 0 else 0.0
-        delayed, total = energies.unbind()
-        return torch.where(total > 0, delayed / total, torch.zeros_like(total))
+        return rho
+
+    def _add_rho(self, rho) -> None:
+        """Adds a step's rho to the metrics' sum.
+
+        A sum on the GPU starts its copy to pinned host memory now, before the step's D2H
+        is queued: :meth:`metrics` reads that copy, not the GPU (a read after the D2H
+        would wait for all of it).
+        """
+        total = self._stats["rho"] + rho
+        self._stats["rho"] = total
+        if isinstance(total, torch.Tensor) and total.is_cuda:
+            if self._rho_host is None:
+                self._rho_host = torch.empty((), dtype=torch.float64, pin_memory=True)
+            self._rho_host.copy_(total, non_blocking=True)
+            self._rho_copied = torch.cuda.Event()
+            self._rho_copied.record()
+
+    def _rho_sum(self) -> float:
+        total = self._stats["rho"]
+        if isinstance(total, torch.Tensor) and total.is_cuda:
+            self._rho_copied.synchronize()
+            return float(self._rho_host)
+        return float(total)
 
     def _to_host(self, slot: int, grads: Dict[int, torch.Tensor]):
         """Copies the compact grads into pinned staging on the D2H stream.
@@ -269,13 +314,49 @@ class ZenFlowEngine:
 
     def _flush_pending_now(self) -> None:
         self._wait(self.cpu.wait_update)
-        for group in self.cpu_plan.sizes:
-            values = self.cpu.upload[group]
-            if self.is_cuda:
-                values = values.to(self.device, non_blocking=False)
-            self.cpu_plan.scatter(group, values, self._weights)
-            self._stats["h2d_bytes"] += values.numel() * values.element_size()
+        if not self.is_cuda:
+            for group in self.cpu_plan.sizes:
+                values = self.cpu.upload[group]
+                self.cpu_plan.scatter(group, values, self._weights)
+                self._stats["h2d_bytes"] += values.numel() * values.element_size()
+        else:
+            if self._upload_copy is None:  # no update ran (weights set by a load)
+                self._start_upload_copy()
+            elif self._upload_copy.query():
+                self._stats["uploads_ready"] += 1
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self._upload_copy)
+            for group, n in self.cpu_plan.sizes.items():
+                values = self._upload_dev[group][:n]
+                self.cpu_plan.scatter(group, values, self._weights)
+                self._stats["h2d_bytes"] += values.numel() * values.element_size()
+            self._upload_copy = None
+            self._scattered = stream.record_event()
         self.upload_pending = False
+
+    def _start_upload_copy(self) -> None:
+        """Host upload buffers -> ``_upload_dev`` on the H2D stream.
+
+        Called on the CPU worker's update thread when an update has finished (or on the
+        loop's thread at a boundary with no update): after the last boundary's scatter,
+        which read those device buffers, and before the next boundary's, which waits for
+        this copy's event. Nothing else touches the buffers in between.
+        """
+        with torch.cuda.device(self.device), torch.cuda.stream(self._h2d):
+            if self._scattered is not None:
+                self._h2d.wait_event(self._scattered)
+            for group, n in self.cpu_plan.sizes.items():
+                dst = self._upload_dev[group][:n]
+                dst.copy_(self.cpu.upload[group], non_blocking=True)
+                dst.record_stream(self._h2d)
+            event = self._h2d.record_event()
+        self._upload_copy = self._last_copy = event
+
+    def _wait_last_copy(self) -> None:
+        """Until the last copy from the host upload buffers has finished."""
+        event = self._last_copy
+        if event is not None:
+            event.synchronize()
 
     # ------------------------------------------------------------ selection
 
@@ -309,15 +390,22 @@ class ZenFlowEngine:
             self._ensure_staging()
 
     def _ensure_staging(self) -> None:
-        """Pinned staging of every slot for the delayed grads of the plan in force.
+        """Pinned staging for the delayed grads and the device buffer for the new weights.
 
-        All slots at once, when a selection is made: pinning gigabytes takes a second or
-        more, which a slot's first use would otherwise add to a training step. A slot is
-        replaced (with 1% headroom: re-selection changes the sizes a little) only when a
-        group outgrows it.
+        Staging: every slot, for the plan in force. The device buffer receives the CPU
+        update's weights (2 bytes per delayed element in bf16: 2.3 GB on the 1.28B
+        reference GPT at k=0.1). All at once, when a selection is made: pinning gigabytes
+        takes a second or more, which a slot's first use would otherwise add to a training
+        step. A buffer is replaced (with 1% headroom: re-selection changes the sizes a
+        little) only when a group outgrows it.
         """
         from megatron_ext.offload.io import aligned_empty
 
+        for group, n in self.cpu_plan.sizes.items():
+            buf = self._upload_dev.get(group)
+            if buf is None or buf.numel() < n:
+                self._upload_dev[group] = torch.empty(int(n * 1.01) + 1, dtype=self.model_dtype,
+                                                      device=self.device)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         for stage in self._stage:
             for group, n in self.cpu_plan.sizes.items():
@@ -534,7 +622,7 @@ class ZenFlowEngine:
             busy = dict(self.cpu.busy)
         record = {
             "zenflow/selected_ratio": self.selected_ratio,
-            "zenflow/rho": float(self._stats["rho"]) / steps,
+            "zenflow/rho": self._rho_sum() / steps,
             "zenflow/retention": self.retention,
             "zenflow/update_interval": float(self.schedule.window_length),
             "zenflow/stall_s": self._stats["stall_s"] / steps,
@@ -543,6 +631,7 @@ class ZenFlowEngine:
             "zenflow/cpu_accumulate_bg_s": busy["accumulate"] / steps,
             "zenflow/d2h_bytes": self._stats["d2h_bytes"] / steps,
             "zenflow/h2d_bytes": self._stats["h2d_bytes"] / steps,
+            "zenflow/uploads_ready": float(self._stats["uploads_ready"]),
             "zenflow/device_state_gib": self.device_state_bytes() / 2**30,
             "zenflow/host_state_gib": self.host_state_bytes() / 2**30,
         }

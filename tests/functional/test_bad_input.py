@@ -142,7 +142,7 @@ ENV_CASES = {
     "zenflow cpus not available": ({"MEGATRON_EXT_ZENFLOW_CPUS": "0-4095"},
                                    "are not available to this process"),
     "step sync not a mode": ({"MEGATRON_EXT_STEP_SYNC": "sometimes"},
-                             "MEGATRON_EXT_STEP_SYNC=sometimes: give device"),
+                             "MEGATRON_EXT_STEP_SYNC=sometimes: give stream"),
 }
 
 

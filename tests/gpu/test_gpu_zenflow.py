@@ -44,14 +44,31 @@ def test_zenflow_async_on_cuda(tmp_path):
 
 
 def test_zenflow_losses_do_not_depend_on_the_step_sync(tmp_path):
-    """MEGATRON_EXT_STEP_SYNC=stream lets the D2H of the delayed grads run into the next
-    iteration: the streams' events still order every use, so the losses are the same bit
-    for bit as with the device-wide synchronize."""
+    """MEGATRON_EXT_STEP_SYNC=stream (the default) lets the D2H of the delayed grads run
+    into the next iteration: the streams' events still order every use, so the losses are
+    the same bit for bit as with a device-wide synchronize at every timer."""
     flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8"]
     device, stream = tmp_path / "device.jsonl", tmp_path / "stream.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(device)])
-    run_pretrain([*flags, "--metrics-path", str(stream)], env={"MEGATRON_EXT_STEP_SYNC": "stream"})
+    run_pretrain([*flags, "--metrics-path", str(device)], env={"MEGATRON_EXT_STEP_SYNC": "device"})
+    run_pretrain([*flags, "--metrics-path", str(stream)])
     assert losses_of(read_metrics(stream)) == losses_of(read_metrics(device))
+
+
+def test_zenflow_uploads_on_cuda_do_not_depend_on_timing(tmp_path):
+    """A finished CPU update's weights are copied to the GPU by the update thread before
+    the window's boundary (uploads_ready: the copy had finished when the boundary came),
+    or reach it late when the update finishes late (random delays in the CPU threads):
+    the same losses bit for bit either way."""
+    flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8"]
+    prompt, late = tmp_path / "prompt.jsonl", tmp_path / "late.jsonl"
+    run_pretrain([*flags, "--metrics-path", str(prompt)])
+    run_pretrain([*flags, "--metrics-path", str(late)],
+                 env={"MEGATRON_EXT_ZENFLOW_JITTER": "0.2"})
+    assert losses_of(read_metrics(late)) == losses_of(read_metrics(prompt))
+    ready = [sum(r.get("zenflow/uploads_ready", 0) for r in read_metrics(path))
+             for path in (prompt, late)]
+    assert ready[0] > 0, ready
+    print("uploads on the GPU before the boundary (prompt, late):", ready)
 
 
 def test_zenflow_resume_on_cuda(tmp_path):

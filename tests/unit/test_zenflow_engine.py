@@ -400,6 +400,51 @@ def test_host_cpus_default_only_on_request(monkeypatch):
     assert cpu_worker.host_cpus(default=True) is None
 
 
+def test_upload_buffers_are_written_after_the_guard():
+    """The owner's upload_guard (its wait for an H2D copy still reading the upload
+    buffers) runs before an update, masters_to_upload or new buffers write them."""
+    cpu = cpu_worker.CpuSide({0: 4}, torch.float32, pin=False)
+    seen = []
+    cpu.upload_guard = lambda: seen.append(cpu.upload[0].clone())
+    try:
+        cpu.set_masters({0: torch.full((4,), 3.0)})
+        cpu.masters_to_upload()
+        assert len(seen) == 1 and torch.equal(seen[0], torch.zeros(4))
+        assert torch.equal(cpu.upload[0], torch.full((4,), 3.0))
+        cpu.accumulate(0, {0: torch.ones(4)}, None, None, last=True)
+        hp = HPARAMS[0]
+        cpu.submit_update(0, 1, [hp])
+        cpu.wait_update()
+        assert len(seen) == 2 and torch.equal(seen[1], torch.full((4,), 3.0))
+        assert not torch.equal(cpu.upload[0], torch.full((4,), 3.0))
+    finally:
+        cpu.close()
+
+
+def test_after_update_runs_on_the_update_thread_once_the_weights_are_written():
+    """The owner's after_update (where it starts the H2D copy of the new weights) runs on
+    the update thread, after the update has written the upload buffers, before the
+    update's future completes."""
+    import threading
+
+    cpu = cpu_worker.CpuSide({0: 4}, torch.float32, pin=False)
+    seen = []
+    cpu.after_update = lambda: seen.append((threading.current_thread().name,
+                                            cpu.upload[0].clone(), cpu.master[0].clone()))
+    try:
+        cpu.set_masters({0: torch.full((4,), 3.0)})
+        cpu.accumulate(0, {0: torch.ones(4)}, None, None, last=True)
+        cpu.submit_update(0, 1, [HPARAMS[0]])
+        cpu.wait_update()
+        assert len(seen) == 1
+        name, upload, master = seen[0]
+        assert name.startswith("zenflow-adam")
+        assert not torch.equal(master, torch.full((4,), 3.0))  # Adam ran first
+        assert torch.equal(upload, master)  # and the new weights were in the buffers
+    finally:
+        cpu.close()
+
+
 @pytest.mark.parametrize("value,cpus", [("0", {0}), ("0,0-0", {0}), (" 0 ", {0})])
 def test_host_cpus_parses_lists(monkeypatch, value, cpus):
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", value)
