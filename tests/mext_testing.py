@@ -28,10 +28,47 @@ TINY = [
 GPU_TINY = [a if a != "cpu" else "cuda" for a in TINY]
 
 
+def _ephemeral_range() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(count: int) -> List[int]:
+    """COUNT distinct TCP ports free on 127.0.0.1 now, below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is an ephemeral one: between this check and the server's bind,
+    any process's outgoing connection (gloo ranks of a concurrent test) may take it as its
+    source port (seen in CI: EADDRINUSE on torchrun's store). Below the range only an
+    explicit bind can take it, and the picks are random.
+    """
+    import random
+
+    lo = 10000
+    hi = max(lo + 1000, _ephemeral_range()[0])
+    rng = random.SystemRandom()
+    socks: List[socket.socket] = []
+    try:
+        while len(socks) < count:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", rng.randrange(lo, hi)))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """One port of :func:`free_ports`."""
+    return free_ports(1)[0]
 
 
 def test_env(extra: Optional[dict] = None) -> dict:
