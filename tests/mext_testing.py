@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -45,8 +46,6 @@ def free_ports(count: int) -> List[int]:
     source port (seen in CI: EADDRINUSE on torchrun's store). Below the range only an
     explicit bind can take it, and the picks are random.
     """
-    import random
-
     lo = 10000
     hi = max(lo + 1000, _ephemeral_range()[0])
     rng = random.SystemRandom()

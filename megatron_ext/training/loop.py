@@ -22,6 +22,7 @@ from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import (
     MetricsWriter,
     Stopwatch,
+    ToHost,
     format_line,
     maybe_float,
     memory_stats,
@@ -102,34 +103,7 @@ def _sum_reports(losses_reduced, device) -> torch.Tensor:
     return total
 
 
-class _ToHost:
-    """A small device tensor's values on their way to pinned host memory.
-
-    The copy is queued on the current stream when made and read by :meth:`get`. Made
-    before an optimizer launches large copies to the host on its side streams, it is not
-    queued behind them: a GPU serves copies to the host in order, so a plain ``.item()``
-    after ZenFlow's step would wait for its 2.3 GB of delayed gradients
-    (bench/copy_probe.py: 40 ms on the H200).
-    """
-
-    def __init__(self, tensor: torch.Tensor):
-        self.event = None
-        if tensor.is_cuda:
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = tensor.clone()
-
-    def get(self) -> torch.Tensor:
-        """The values (waits for the copy)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
-
-
-def _global_sum(local_sum_count: torch.Tensor) -> _ToHost:
+def _global_sum(local_sum_count: torch.Tensor) -> ToHost:
     """Sums (loss, tokens) over all ranks; the result on its way to the host.
 
     Other pipeline stages contribute zeros; TP ranks of the last stage contribute equal
@@ -137,10 +111,10 @@ def _global_sum(local_sum_count: torch.Tensor) -> _ToHost:
     """
     total = local_sum_count.clone()
     torch.distributed.all_reduce(total)
-    return _ToHost(total)
+    return ToHost(total)
 
 
-def _mean(total: _ToHost) -> float:
+def _mean(total: ToHost) -> float:
     """Token-weighted mean of a :func:`_global_sum`."""
     loss, tokens = total.get().tolist()
     return loss / tokens if tokens > 0 else float("nan")
@@ -233,7 +207,7 @@ class Trainer:
 
         Adds the iteration's (loss, tokens) into ``interval_loss``. With ``logs`` (the
         iteration is logged) returns what the log reads from the GPU, on its way to the
-        host before the optimizer step (see :class:`_ToHost`): the global (loss, tokens)
+        host before the optimizer step (see :class:`ToHost`): the global (loss, tokens)
         sum and the loss scale this iteration's backward ran with; else None.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -259,7 +233,7 @@ class Trainer:
         if logs:
             scale = self.optimizer.get_loss_scale()
             reads = {"loss": _global_sum(interval_loss),
-                     "loss_scale": _ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
+                     "loss_scale": ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
         ok, grad_norm, _ = self.optimizer.step()
         self._synchronize()
         t_opt = watch.lap()
@@ -320,7 +294,7 @@ class Trainer:
             "lm_loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": maybe_float(grad_norm),
-            "loss_scale": maybe_float(scale.get() if isinstance(scale, _ToHost) else scale),
+            "loss_scale": maybe_float(scale.get() if isinstance(scale, ToHost) else scale),
             "skipped_iterations": self.state.skipped_iterations,
             "time/iteration_s": per_iter,
             "time/forward_backward_s": t_fb / iters,

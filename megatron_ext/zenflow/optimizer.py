@@ -34,6 +34,7 @@ from torch.profiler import record_function
 
 from megatron_ext.errors import UsageError
 from megatron_ext.training.adamw import adam_update, unscale_and_clip
+from megatron_ext.training.metrics import ToHost
 from megatron_ext.training.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
@@ -130,6 +131,8 @@ class ZenFlowEngine:
         self._stage: List[Dict[int, torch.Tensor]] = [{} for _ in range(self._slots)]
         self._stage_free: List[Optional[object]] = [None] * self._slots
         self._slot = 0
+        self._rho_copy: Optional[ToHost] = None
+        """The GPU's running rho sum on its way to the host (read by :meth:`metrics`)."""
         # The CPU update's new weights go to the device on their own stream as soon as the
         # update has finished (the update thread starts the copy), into a device buffer
         # from which the window's boundary scatters them: the boundary step waits for no
@@ -140,8 +143,6 @@ class ZenFlowEngine:
         self._last_copy: Optional[object] = None
         """The event of the last copy from the host upload buffers (they are rewritten only
         after it: ``cpu.upload_guard``)."""
-        self._rho_host: Optional[torch.Tensor] = None
-        self._rho_copied: Optional[object] = None
         self._scattered: Optional[object] = None
         """The event of the last boundary's scatter from ``_upload_dev`` (the next copy into
         it waits for it)."""
@@ -266,25 +267,18 @@ class ZenFlowEngine:
     def _add_rho(self, rho) -> None:
         """Adds a step's rho to the metrics' sum.
 
-        A sum on the GPU starts its copy to pinned host memory now, before the step's D2H
-        is queued: :meth:`metrics` reads that copy, not the GPU (a read after the D2H
-        would wait for all of it).
+        A sum on the GPU starts its copy to the host now, before the step's D2H is
+        queued: :meth:`metrics` reads that copy, not the GPU (a read after the D2H would
+        wait for all of it).
         """
         total = self._stats["rho"] + rho
         self._stats["rho"] = total
-        if isinstance(total, torch.Tensor) and total.is_cuda:
-            if self._rho_host is None:
-                self._rho_host = torch.empty((), dtype=torch.float64, pin_memory=True)
-            self._rho_host.copy_(total, non_blocking=True)
-            self._rho_copied = torch.cuda.Event()
-            self._rho_copied.record()
+        if isinstance(total, torch.Tensor):
+            self._rho_copy = ToHost(total)
 
     def _rho_sum(self) -> float:
         total = self._stats["rho"]
-        if isinstance(total, torch.Tensor) and total.is_cuda:
-            self._rho_copied.synchronize()
-            return float(self._rho_host)
-        return float(total)
+        return float(self._rho_copy.get()) if isinstance(total, torch.Tensor) else float(total)
 
     def _to_host(self, slot: int, grads: Dict[int, torch.Tensor]):
         """Copies the compact grads into pinned staging on the D2H stream.
