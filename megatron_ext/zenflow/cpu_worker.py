@@ -79,17 +79,12 @@ def host_cpus(default: bool = False) -> Optional[set]:
     if not value:
         if not default:
             return None
-        return default_host_cpus(allowed, os.cpu_count() or len(allowed), _local_ranks())
+        return default_host_cpus(allowed, os.cpu_count() or len(allowed), _local_ranks(),
+                                 cpu_siblings(allowed))
     if value == "all":
         return None
-    cpus = set()
     try:
-        for part in value.split(","):
-            lo, _, hi = part.strip().partition("-")
-            first, last = int(lo), int(hi) if hi else int(lo)
-            if first < 0 or last < first:
-                raise ValueError(part)
-            cpus.update(range(first, last + 1))
+        cpus = _parse_cpus(value)
     except ValueError:
         raise UsageError(f"{CPUS_ENV}={value}: give CPU numbers and ranges, e.g. 2-15 or "
                          "1,3,8-11, or all") from None
@@ -99,8 +94,14 @@ def host_cpus(default: bool = False) -> Optional[set]:
     return cpus
 
 
-def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Optional[set]:
+def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int,
+                      siblings: Optional[Dict[int, set]] = None) -> Optional[set]:
     """All CPUs this process may use but the first LOOP_CPUS per training process on them.
+
+    And but their hyperthread siblings (``siblings``: CPU -> the CPUs of its core, itself
+    included; :func:`cpu_siblings`): a host thread on the other hardware thread of a
+    loop's core would share that core's execution units and caches with the thread that
+    launches the GPU's kernels.
 
     A process bound to its own CPUs (fewer than the machine's: Slurm's or numactl's
     binding) leaves LOOP_CPUS of them; one that may use the whole machine shares it with the
@@ -114,9 +115,38 @@ def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Opti
     ordered = sorted(allowed)
     sharing = local_ranks if len(ordered) >= machine_cpus else 1
     reserve = LOOP_CPUS * max(1, sharing)
-    if len(ordered) - reserve < reserve:
+    loop = set(ordered[:reserve])
+    for cpu in ordered[:reserve]:
+        loop |= set((siblings or {}).get(cpu, ()))
+    host = set(ordered) - loop
+    if len(host) < reserve:
         return None
-    return set(ordered[reserve:])
+    return host
+
+
+def cpu_siblings(cpus) -> Dict[int, set]:
+    """CPU -> the CPUs of its core (Linux's topology/thread_siblings_list); {} unknown."""
+    out = {}
+    for cpu in cpus:
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                out[cpu] = _parse_cpus(f.read().strip())
+        except (OSError, ValueError):
+            return {}
+    return out
+
+
+def _parse_cpus(text: str) -> set:
+    """"0-2,5" -> {0, 1, 2, 5} (raises ValueError)."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        first, last = int(lo), int(hi) if hi else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(part)
+        cpus.update(range(first, last + 1))
+    return cpus
 
 
 def _local_ranks() -> int:
