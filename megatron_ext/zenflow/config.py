@@ -37,7 +37,10 @@ class ZenFlowConfig:
     gradient of the window). auto: each window's length follows the share rho of gradient
     energy in the delayed columns over the previous window, S = min(16, max(1,
     floor(1/rho))): the delay grows while the delayed columns carry little of the
-    gradient and shrinks when they carry much."""
+    gradient and shrinks when they carry much. Never shorter, though, than the steps the
+    CPU's Adam pass over the delayed columns takes (measured: the last one's time over
+    the time per step, with a 1.25 margin; at most 16), so that a window's boundary does
+    not wait for it; the window lengths then depend on the machine's speed."""
     zenflow_full_warmup_steps: int = 0
     """Steps at the start (after a load too: counted from the first step of the run) with
     plain synchronous updates of every column (the CPU updates its columns inside the

@@ -740,7 +740,8 @@ class ZenFlowEngine:
         time per step: accumulation and Adam), ``pcie_bytes`` (D2H + H2D per step),
         ``d2h_copies`` (copies of delayed grads to the host per step: 1 with host
         accumulation, 1 per window with device accumulation), ``accumulate_on_device``
-        (1: device accumulation, 0: host) and ``device_acc_gib`` (its device memory).
+        (1: device accumulation, 0: host), ``device_acc_gib`` (its device memory) and
+        ``grad_bytes`` (bytes per gradient element: 2 for bf16 grads, 4 for fp32).
         """
         steps = max(1, self._stats["steps"])
         wall = time.perf_counter() - self._stats["since"]
@@ -766,6 +767,7 @@ class ZenFlowEngine:
             "zenflow/d2h_copies": self._stats["d2h_copies"] / steps,
             "zenflow/accumulate_on_device": float(self.place == "device"),
             "zenflow/device_acc_gib": self.dev.nbytes() / 2**30,
+            "zenflow/grad_bytes": float(torch.empty((), dtype=self.grad_dtype).element_size()),
         }
         record.update(self.cpu.metrics())
         self._reset_stats()
