@@ -146,14 +146,16 @@ class DeviceAccumulator:
         fp32 scratch: convert, unscale, clip, add.
         """
         self._wait_reset()
+        if torch.is_tensor(inv_scale):  # once per step, not per chunk
+            inv_scale = inv_scale.to(self.device)
         for group, grad in grads.items():
             acc = self.acc[group]
             if inv_scale is None and clip_coeff is None:
                 acc.add_(grad)
                 continue
-            if self._scratch is None:
-                self._scratch = torch.empty(min(CHUNK, max(1, acc.numel())),
-                                            dtype=torch.float32, device=self.device)
+            want = min(CHUNK, max(t.numel() for t in self.acc.values()))
+            if self._scratch is None or self._scratch.numel() < want:
+                self._scratch = torch.empty(want, dtype=torch.float32, device=self.device)
             step = self._scratch.numel()
             for start in range(0, grad.numel(), step):
                 part = grad[start:start + step]
