@@ -175,7 +175,7 @@ class DeviceAccumulator:
     def partial(self) -> Dict[int, torch.Tensor]:
         """The open window's sum so far, on the host (for a checkpoint)."""
         self._wait_reset()
-        return {g: t.cpu() for g, t in self.acc.items()}
+        return {g: t.to("cpu", copy=True) for g, t in self.acc.items()}
 
     def drain(self, out: Dict[int, torch.Tensor]) -> Tuple[int, Optional[Callable[[], None]]]:
         """Closes the window: its mean into the host tensors ``out``; zero for the next.
