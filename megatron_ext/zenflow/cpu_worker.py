@@ -8,7 +8,10 @@ one pass reads and writes the accumulator once for all of them, which is what th
 memory bandwidth, shared with the previous window's Adam, pays for. Windows alternate
 between two accumulators, so window ``w + 1`` accumulates while window ``w`` is being
 applied; the optimizer waits for window ``w``'s update before it closes window ``w + 1``,
-so an accumulator is never written while it is read.
+so an accumulator is never written while it is read. With the sum kept on the model's
+device (``--zenflow-accumulate device``: ``accumulation.DeviceAccumulator``) a window's
+mean arrives whole in its accumulator by one copy (:meth:`CpuSide.deposit`), and the
+accumulate thread only waits for that copy before the window's update may start.
 
 torch's CPU kernels release the GIL, so both threads run beside the training loop.
 """
