@@ -307,16 +307,19 @@ def test_engine_equals_reference(case, dtype, kernels, place, monkeypatch):
     assert engine.retention == engine.retention  # re-selected at least once: not NaN
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["S3-k0.25-reselect6-warmup2", "S1-k0.5-reselect1",
-                                  "S4-k0.1-reselect8"])
-def test_cpu_side_in_offload_tiers_reselects_like_the_reference(tmp_path, case, dtype):
+@pytest.mark.parametrize("dtype,case,place", [
+    (dtype, case, "host") for dtype in (torch.float32, torch.bfloat16)
+    for case in ("S3-k0.25-reselect6-warmup2", "S1-k0.5-reselect1", "S4-k0.1-reselect8")
+] + [(torch.bfloat16, "S3-k0.25-reselect6-warmup2", "device")])
+def test_cpu_side_in_offload_tiers_reselects_like_the_reference(tmp_path, case, dtype, place):
     """Re-selection with the CPU side's states in offload engines (files on two paths): every
-    moment reaches its new side; each selection gets a new engine, the old one's files go."""
+    moment reaches its new side; each selection gets a new engine, the old one's files go.
+    Also with the window sums made on the device (the engines read the accumulator the
+    device's mean arrives in)."""
     made = []
     cfg = ZenFlowConfig(zenflow=True, **CASES[case])
     engine, shards, ref, _ = run_both(cfg, dtype, steps=25, keep_open=True, make_cpu_engine=(
-        tiered_engine_factory(tmp_path, dtype, made)))
+        tiered_engine_factory(tmp_path, dtype, made)), place=place)
     try:
         assert_same(engine, shards, ref)
         assert len(made) >= 3  # the first selection and at least two re-selections
