@@ -7,6 +7,13 @@
 #   OUT=/dir TESTS=tests/gpu/test_gpu_zenflow.py CONFIGS=no-offload,mcore-offload,host-only,zenflow \
 #       bash bench/gpu_zenflow_run.sh
 #   OUT=/dir CONFIGS=zenflow,deepspeed-zero-offload,deepspeed-zenflow bash bench/gpu_zenflow_run.sh
+#   # where the delayed grads are summed (issue 20), bf16 and fp32 grads, ~4-5 min (6 runs):
+#   OUT=/dir CONFIGS=no-offload+bf16grads,zenflow+device+bf16grads,zenflow+host+bf16grads,no-offload+fp32grads,zenflow+device+fp32grads,zenflow+host+fp32grads \
+#       bash bench/gpu_zenflow_run.sh
+# Modifiers (bench/zenflow_bench.py --help): +device/+host/+auto: --zenflow-accumulate;
+# +fp32grads: --accumulate-allreduce-grads-in-fp32; +bf16grads: --grad-reduce-in-bf16 where
+# pretrain_gpt.py has it (else bf16 grads are --bf16's default). The tests of the device
+# accumulation on CUDA: TESTS="tests/gpu/test_gpu_zenflow.py -k accumul" CONFIGS= (~90 s).
 # TESTS_LAST=1: the tests after the benchmark; TESTS_TIMEOUT: seconds for them (600);
 # TESTS_ARGS: more pytest flags (e.g. "-n 6": six test processes on the one GPU, with the
 # carried pytest-xdist and execnet wheels).

@@ -25,7 +25,15 @@ record per iteration; and DeepSpeed's peer bundle (zero_infinity_bench.py, from
 ``zenflow@N`` is zenflow with N staging slots (MEGATRON_EXT_ZENFLOW_STAGING_SLOTS=N: the
 host adds up to N-1 steps' gradients in one pass); ``:VAR=VALUE`` after a megatron_ext
 configuration's name sets an environment variable of its run (``zenflow:OMP_NUM_THREADS=8``);
-a configuration may be listed more than once.
+a configuration may be listed more than once. Modifiers ``+MOD`` after the name (before any
+``:VAR=VALUE``): ``+device``, ``+host``, ``+auto`` on zenflow: ``--zenflow-accumulate``
+(where the delayed gradients are summed over a window; default auto); on any megatron_ext
+configuration ``+fp32grads``: gradients accumulated and reduced in fp32
+(``--accumulate-allreduce-grads-in-fp32``, Megatron-LM's flag), ``+bf16grads``: in bf16
+(``--grad-reduce-in-bf16`` where pretrain_gpt.py has it, else the bf16 default of
+``--bf16``). A run's "x no-off" is over the no-offload run with the same grads modifier.
+E.g. ``no-offload+bf16grads,zenflow+device+bf16grads,zenflow+host+bf16grads,
+no-offload+fp32grads,zenflow+device+fp32grads,zenflow+host+fp32grads``.
 
 Measurement rules. ZenFlow's CPU update runs in the background over a window of S steps
 and its result is waited for at the window's boundary, so the median step hides the stall
@@ -131,16 +139,43 @@ def pretrain_args(shape: dict, a) -> list:
     return args + ["--device", a.device, "--seed", str(a.seed)]
 
 
+PLACES = ("device", "host", "auto")
+GRADS = ("fp32grads", "bf16grads")
+
+
+def config_parts(name: str) -> tuple:
+    """A configuration's base, staging slots, modifiers and environment assignments.
+
+    ``zenflow@5+device+fp32grads:OMP_NUM_THREADS=8`` ->
+    ``("zenflow", "5", ["device", "fp32grads"], ["OMP_NUM_THREADS=8"])``.
+    """
+    head, *assignments = name.split(":")
+    head, *mods = head.split("+")
+    base, _, slots = head.partition("@")
+    return base, slots, mods, assignments
+
+
 def base_config(name: str) -> str:
-    """``zenflow@5:OMP_NUM_THREADS=8`` -> ``zenflow``."""
-    return name.split(":")[0].partition("@")[0]
+    """``zenflow@5+device:OMP_NUM_THREADS=8`` -> ``zenflow``."""
+    return config_parts(name)[0]
+
+
+def grads_of(name: str) -> str:
+    """The grads modifier of a configuration ("" when none)."""
+    return next((m for m in config_parts(name)[2] if m in GRADS), "")
+
+
+def has_flag(flag: str) -> bool:
+    """pretrain_gpt.py has ``flag``: a config dataclass of megatron_ext has its field."""
+    field = flag.lstrip("-").replace("-", "_")
+    pattern = re.compile(rf"^\s+{field}\s*:", re.M)
+    return any(pattern.search(p.read_text()) for p in (ROOT / "megatron_ext").rglob("*.py"))
 
 
 def config_env(name: str) -> dict:
     """The environment of one configuration's run (``@N``: N staging slots; ``:VAR=VALUE``)."""
     env = dict(os.environ)
-    head, *assignments = name.split(":")
-    _, _, slots = head.partition("@")
+    _, slots, _, assignments = config_parts(name)
     if slots:
         env["MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"] = slots
     for assignment in assignments:
@@ -152,15 +187,31 @@ def config_env(name: str) -> dict:
 def bad_config(name: str) -> bool:
     """Not a configuration: an unknown base, ``@`` not on zenflow, a malformed suffix."""
     head, *assignments = name.split(":")
-    base, at, slots = head.partition("@")
+    base, slots, mods, _ = config_parts(name)
+    at = "@" in head
     return (base not in CONFIGS or (at and (base != "zenflow" or not slots.isdigit()))
-            or (assignments and base.startswith("deepspeed-"))
+            or ((assignments or mods) and base.startswith("deepspeed-"))
+            or any(m not in PLACES + GRADS or (m in PLACES and base != "zenflow")
+                   for m in mods)
+            or sum(m in PLACES for m in mods) > 1 or sum(m in GRADS for m in mods) > 1
             or any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", x) for x in assignments))
 
 
 def config_args(name: str, a) -> list:
-    """pretrain_gpt.py flags of one megatron_ext configuration."""
-    name = base_config(name)
+    """pretrain_gpt.py flags of one megatron_ext configuration (modifiers' flags last)."""
+    _, _, mods, _ = config_parts(name)
+    extra = []
+    for mod in mods:
+        if mod in PLACES:
+            extra += ["--zenflow-accumulate", mod]
+        elif mod == "fp32grads":
+            extra += ["--accumulate-allreduce-grads-in-fp32"]
+        elif mod == "bf16grads" and has_flag("--grad-reduce-in-bf16"):
+            extra += ["--grad-reduce-in-bf16"]
+    return _base_args(base_config(name), a) + extra
+
+
+def _base_args(name: str, a) -> list:
     if name == "no-offload":
         return []
     if name == "mcore-offload":
@@ -172,6 +223,12 @@ def config_args(name: str, a) -> list:
         return ["--zenflow", "--zenflow-topk-ratio", str(a.topk), "--zenflow-update-interval",
                 str(a.interval), "--zenflow-select-interval", str(a.select_interval)]
     raise ValueError(name)
+
+
+def _mean(records: list, key: str):
+    """The mean of ``key`` over the records that have it (None when none do)."""
+    values = [r[key] for r in records if key in r]
+    return statistics.fmean(values) if values else None
 
 
 def window_profile(times: list, interval: int) -> list:
@@ -233,7 +290,23 @@ def run_config(name: str, a, shape: dict, base: list) -> dict:
     if base_config(name) == "zenflow":
         pcie = [r["zenflow/d2h_bytes"] + r["zenflow/h2d_bytes"] for r in measured]
         k, s, m = a.topk, a.interval, result["params"]
+        on_device = measured[-1].get("zenflow/accumulate_on_device")
+        # The traffic this run should have: H2D of the new weights (bf16) once per window;
+        # D2H of the delayed grads every step (grads' bytes g) on the host, of the
+        # window's fp32 mean once per window on the device.
+        g = measured[-1].get("zenflow/grad_bytes") or (4 if grads_of(name) == "fp32grads"
+                                                        else 2)
+        expected = (1 - k) * m * ((4 / s if on_device else g) + BYTES_PER_PARAM / s)
         result["zenflow"] = {
+            "accumulate_on_device": on_device,
+            "grad_bytes": measured[-1].get("zenflow/grad_bytes"),
+            "host_thread_s_mean": _mean(measured, "zenflow/host_thread_s"),
+            "d2h_copies_per_step": _mean(measured, "zenflow/d2h_copies"),
+            "device_acc_gib": measured[-1].get("zenflow/device_acc_gib"),
+            "stall_share_metric_mean": _mean(measured, "zenflow/stall_share"),
+            "pcie_bytes_per_step_expected": expected,
+            "pcie_expected_formula": "(1-K)*M*((4/S on the device, else g) + 2/S), g: grad "
+                                     f"bytes = {g}",
             "stall_share": sum(r["zenflow/stall_s"] for r in measured) / sum(times),
             "stall_s_mean": statistics.fmean(r["zenflow/stall_s"] for r in measured),
             "cpu_update_bg_s_mean": statistics.fmean(r["zenflow/cpu_update_bg_s"]
@@ -333,19 +406,24 @@ def machine_facts() -> dict:
 def add_ratios(results: dict) -> None:
     """Each run's mean step over no-offload's; zenflow's over the other offloads'."""
     means = {r["config"]: r["step_s"]["mean"] for r in results["runs"] if "step_s" in r}
+    plain = {}  # grads modifier -> the first no-offload run with it
+    for run in results["runs"]:
+        if base_config(run["config"]) == "no-offload" and "step_s" in run:
+            plain.setdefault(grads_of(run["config"]), run)
     for run in results["runs"]:
         if "step_s" not in run:
             continue
-        if "no-offload" in means:
-            run["mean_over_no_offload"] = run["step_s"]["mean"] / means["no-offload"]
+        base = plain.get(grads_of(run["config"]))
+        if base is not None:
+            run["mean_over_no_offload"] = run["step_s"]["mean"] / base["step_s"]["mean"]
+            run["no_offload_config"] = base["config"]
         if base_config(run["config"]) == "zenflow":
             for other in ("mcore-offload", "host-only", "deepspeed-zenflow",
                           "deepspeed-zero-offload"):
                 if other in means:
                     run[f"mean_over_{other.replace('-', '_')}"] = (run["step_s"]["mean"]
                                                                    / means[other])
-            if "no-offload" in means and "final_loss" in run:
-                base = next(r for r in results["runs"] if r["config"] == "no-offload")
+            if base is not None and "final_loss" in run:
                 run["final_loss_minus_no_offload"] = run["final_loss"] - base["final_loss"]
 
 
@@ -363,25 +441,31 @@ def print_table(results: dict) -> None:
     """The markdown table of the runs (and the ZenFlow ratios under it)."""
     print("| config | step s mean / median / min / max (n) | x no-off | GPU GiB "
           "| host RSS GiB | final loss | stall share | CPU update s/step "
-          "| PCIe bytes/step (paper) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| host threads s/step | acc. on | PCIe bytes/step (paper; expected) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for run in results["runs"]:
         if "skipped" in run:
-            print(f"| {run['config']} | skipped: {run['skipped']} | | | | | | | |")
+            print(f"| {run['config']} | skipped: {run['skipped']} | | | | | | | | | |")
             continue
         if "step_s" not in run:
             print(f"| {run['config']} | failed (rc {run['returncode']}, "
                   f"{len(run.get('step_times_s', []))} steps): see JSON | | | "
-                  f"{run['peak_rss_gib']:.1f} | | | | |")
+                  f"{run['peak_rss_gib']:.1f} | | | | | | |")
             continue
         s, z = run["step_s"], run.get("zenflow", {})
         pcie = (f"{gbytes(z['pcie_bytes_per_step_mean'])} "
-                f"({gbytes(z['pcie_bytes_per_step_paper'])})" if z else "")
+                f"({gbytes(z['pcie_bytes_per_step_paper'])}; "
+                f"{gbytes(z['pcie_bytes_per_step_expected'])})" if z else "")
+        place = ("" if not z or z.get("accumulate_on_device") is None
+                 else "device" if z["accumulate_on_device"] else "host")
+        if z.get("grad_bytes"):
+            place += f", {8 * int(z['grad_bytes'])}-bit grads"
         print(f"| {run['config']} | {s['mean']:.3f} / {s['median']:.3f} / {s['min']:.3f} / "
               f"{s['max']:.3f} ({s['n']}) | {fmt(run.get('mean_over_no_offload'), '.2f')} | "
               f"{fmt(run.get('gpu_max_allocated_gib'), '.1f')} | {run['peak_rss_gib']:.1f} | "
               f"{fmt(run.get('final_loss'), '.4f')} | {fmt(z.get('stall_share'), '.1%')} | "
-              f"{fmt(z.get('cpu_update_bg_s_mean'))} | {pcie} |")
+              f"{fmt(z.get('cpu_update_bg_s_mean'))} | {fmt(z.get('host_thread_s_mean'))} | "
+              f"{place} | {pcie} |")
     for run in results["runs"]:
         if base_config(run["config"]) != "zenflow" or "step_s" not in run:
             continue
@@ -445,7 +529,7 @@ def main() -> int:
     unknown = [c for c in configs if bad_config(c)]
     if unknown:
         p.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}, zenflow@N, "
-                f"NAME:VAR=VALUE")
+                f"zenflow+{{device,host,auto}}, NAME+{{fp32grads,bf16grads}}, NAME:VAR=VALUE")
     if a.interval < 1 or a.windows < 1 or a.warmup_windows < 0:
         p.error("--interval and --windows must be >= 1, --warmup-windows >= 0")
     shape = TINY if a.tiny else reference_shape()
@@ -466,7 +550,7 @@ def main() -> int:
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in configs:
-        if a.device == "cpu" and name in GPU_ONLY:
+        if a.device == "cpu" and base_config(name) in GPU_ONLY:
             run = {"config": name, "skipped": "needs a GPU (--device cpu)"}
             print(f"== {name}: skipped, needs a GPU", flush=True)
         elif name.startswith("deepspeed-"):

@@ -37,11 +37,23 @@ class ZenFlowConfig:
     gradient of the window). auto: each window's length follows the share rho of gradient
     energy in the delayed columns over the previous window, S = min(16, max(1,
     floor(1/rho))): the delay grows while the delayed columns carry little of the
-    gradient and shrinks when they carry much."""
+    gradient and shrinks when they carry much. Never shorter, though, than the steps the
+    CPU's Adam pass over the delayed columns takes (measured: the last one's time over
+    the time per step, with a 1.25 margin; at most 16), so that a window's boundary does
+    not wait for it; the window lengths then depend on the machine's speed."""
     zenflow_full_warmup_steps: int = 0
     """Steps at the start (after a load too: counted from the first step of the run) with
     plain synchronous updates of every column (the CPU updates its columns inside the
     step) before the asynchronous windows begin."""
+    zenflow_accumulate: str = option("auto", choices=("auto", "device", "host"))
+    """Where the delayed columns' gradients are summed over a window. device: in one fp32
+    accumulator on the GPU (4 bytes of GPU memory per delayed element; one add per step
+    there, and one copy of the window's mean to the host at its end instead of one copy
+    per step); host: each step's gradients go to the host and the CPU adds them there.
+    auto: device when the GPU's free memory, measured at the first step (after the first
+    forward-backward), exceeds the accumulator by a margin (1 GiB or a twentieth of the
+    GPU's memory, whichever is larger), else host; host on a CPU-only run. Both places
+    give the same results bit for bit."""
 
     def __post_init__(self):
         if not 0.0 < self.zenflow_topk_ratio <= 1.0:
@@ -64,6 +76,9 @@ class ZenFlowConfig:
                                  f"shorter than --zenflow-update-interval {value}: columns "
                                  "change sides only at window boundaries")
         self.zenflow_update_interval = text
+        if self.zenflow_accumulate not in ("auto", "device", "host"):
+            raise UsageError(f"--zenflow-accumulate {self.zenflow_accumulate}: give auto, "
+                             "device or host")
         if not self.zenflow:
             changed = [f.name for f in dataclasses.fields(self) if f.name != "zenflow"
                        and getattr(self, f.name) != f.default]

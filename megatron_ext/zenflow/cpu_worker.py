@@ -8,7 +8,10 @@ one pass reads and writes the accumulator once for all of them, which is what th
 memory bandwidth, shared with the previous window's Adam, pays for. Windows alternate
 between two accumulators, so window ``w + 1`` accumulates while window ``w`` is being
 applied; the optimizer waits for window ``w``'s update before it closes window ``w + 1``,
-so an accumulator is never written while it is read.
+so an accumulator is never written while it is read. With the sum kept on the model's
+device (``--zenflow-accumulate device``: ``accumulation.DeviceAccumulator``) a window's
+mean arrives whole in its accumulator by one copy (:meth:`CpuSide.deposit`), and the
+accumulate thread only waits for that copy before the window's update may start.
 
 torch's CPU kernels release the GIL, so both threads run beside the training loop.
 """
@@ -79,17 +82,12 @@ def host_cpus(default: bool = False) -> Optional[set]:
     if not value:
         if not default:
             return None
-        return default_host_cpus(allowed, os.cpu_count() or len(allowed), _local_ranks())
+        return default_host_cpus(allowed, os.cpu_count() or len(allowed), _local_ranks(),
+                                 cpu_siblings(allowed))
     if value == "all":
         return None
-    cpus = set()
     try:
-        for part in value.split(","):
-            lo, _, hi = part.strip().partition("-")
-            first, last = int(lo), int(hi) if hi else int(lo)
-            if first < 0 or last < first:
-                raise ValueError(part)
-            cpus.update(range(first, last + 1))
+        cpus = _parse_cpus(value)
     except ValueError:
         raise UsageError(f"{CPUS_ENV}={value}: give CPU numbers and ranges, e.g. 2-15 or "
                          "1,3,8-11, or all") from None
@@ -99,8 +97,14 @@ def host_cpus(default: bool = False) -> Optional[set]:
     return cpus
 
 
-def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Optional[set]:
+def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int,
+                      siblings: Optional[Dict[int, set]] = None) -> Optional[set]:
     """All CPUs this process may use but the first LOOP_CPUS per training process on them.
+
+    And but their hyperthread siblings (``siblings``: CPU -> the CPUs of its core, itself
+    included; :func:`cpu_siblings`): a host thread on the other hardware thread of a
+    loop's core would share that core's execution units and caches with the thread that
+    launches the GPU's kernels.
 
     A process bound to its own CPUs (fewer than the machine's: Slurm's or numactl's
     binding) leaves LOOP_CPUS of them; one that may use the whole machine shares it with the
@@ -114,9 +118,38 @@ def default_host_cpus(allowed: set, machine_cpus: int, local_ranks: int) -> Opti
     ordered = sorted(allowed)
     sharing = local_ranks if len(ordered) >= machine_cpus else 1
     reserve = LOOP_CPUS * max(1, sharing)
-    if len(ordered) - reserve < reserve:
+    loop = set(ordered[:reserve])
+    for cpu in ordered[:reserve]:
+        loop |= set((siblings or {}).get(cpu, ()))
+    host = set(ordered) - loop
+    if len(host) < reserve:
         return None
-    return set(ordered[reserve:])
+    return host
+
+
+def cpu_siblings(cpus) -> Dict[int, set]:
+    """CPU -> the CPUs of its core (Linux's topology/thread_siblings_list); {} unknown."""
+    out = {}
+    for cpu in cpus:
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                out[cpu] = _parse_cpus(f.read().strip())
+        except (OSError, ValueError):
+            return {}
+    return out
+
+
+def _parse_cpus(text: str) -> set:
+    """"0-2,5" -> {0, 1, 2, 5} (raises ValueError)."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        first, last = int(lo), int(hi) if hi else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(part)
+        cpus.update(range(first, last + 1))
+    return cpus
 
 
 def _local_ranks() -> int:
@@ -184,7 +217,11 @@ class CpuSide:
         self.after_update: Optional[Callable[[], None]] = None
         """Called on the update thread once an update has written the upload buffers (the
         owner starts their copy to the device there, before the window's boundary)."""
-        self._pinned: Dict[int, torch.Tensor] = {}
+        self._pinned: Dict[tuple, torch.Tensor] = {}
+        self.pin_acc = False
+        """Page-locked accumulators (set by :meth:`pin_accumulators`)."""
+        self.last_update_s = 0.0
+        """Thread time of the last finished CPU update (Adam over the delayed columns)."""
         self._scratch = threading.local()
         self.master: Dict[int, torch.Tensor] = {}
         self.exp_avg: Dict[int, torch.Tensor] = {}
@@ -227,25 +264,55 @@ class CpuSide:
         return torch.zeros(n, dtype=dtype)
 
     def _upload_buffers(self, sizes: Dict[int, int]) -> Dict[int, torch.Tensor]:
-        """Views of per-group page-locked buffers, kept across re-selections.
-
-        A buffer is replaced (with 1% headroom) only when a group outgrows it: page-locked
-        allocations are registered for the life of the process.
-        """
+        """The upload buffers: page-locked on GPU machines (:meth:`_pinned_views`)."""
         if not self.pin:
             return {g: self._empty(n, self.model_dtype) for g, n in sizes.items()}
+        return self._pinned_views("upload", sizes, self.model_dtype)
+
+    def _pinned_views(self, name, sizes: Dict[int, int], dtype: torch.dtype
+                      ) -> Dict[int, torch.Tensor]:
+        """Views of per-group page-locked buffers named ``name``, kept across re-selections.
+
+        A buffer is replaced (with 1% headroom) only when a group outgrows it: page-locked
+        allocations are registered for the life of the process. Not zeroed.
+        """
         from megatron_ext.offload.io import aligned_empty
 
         out = {}
         for group, n in sizes.items():
-            buf = self._pinned.get(group)
+            buf = self._pinned.get((name, group))
             if buf is None or buf.numel() < n:
+                self._pinned.pop((name, group), None)
                 size = int(n * 1.01) + 1
-                buf = self._pinned[group] = aligned_empty(
-                    size * torch.empty((), dtype=self.model_dtype).element_size(),
-                    self.model_dtype, pin=True)
+                buf = self._pinned[(name, group)] = aligned_empty(
+                    size * torch.empty((), dtype=dtype).element_size(), dtype, pin=True)
             out[group] = buf[:n]
         return out
+
+    def _acc_buffers(self, index: int, sizes: Dict[int, int]) -> Dict[int, torch.Tensor]:
+        """Accumulator ``index``'s buffers.
+
+        Zero, or page-locked with ``pin_acc`` (where the device's window sums arrive by
+        asynchronous copies and overwrite them whole: not zeroed).
+        """
+        if self.pin_acc and self.pin:
+            return self._pinned_views(("acc", index), sizes, torch.float32)
+        return {g: self._empty(n) for g, n in sizes.items()}
+
+    def pin_accumulators(self) -> None:
+        """Page-locked accumulators from now on (device accumulation on a GPU).
+
+        Their content is kept.
+        """
+        if self.pin_acc:
+            return
+        self.pin_acc = True
+        for index, store in enumerate(self.acc):
+            new = self._acc_buffers(index, {g: t.numel() for g, t in store.items()})
+            for group, tensor in new.items():
+                tensor.copy_(store[group])
+            store.clear()
+            store.update(new)
 
     def _guard_upload(self) -> None:
         if self.upload_guard is not None:
@@ -255,9 +322,9 @@ class CpuSide:
         """Zero accumulators and upload buffers of the per-group ``sizes``."""
         self._guard_upload()
         self.sizes = dict(sizes)
-        for store in self.acc:
+        for index, store in enumerate(self.acc):
             store.clear()
-            store.update({g: self._empty(n) for g, n in sizes.items()})
+            store.update(self._acc_buffers(index, sizes))
         self.upload = self._upload_buffers(sizes)
         self.acc_steps = [0, 0]
         self.acc_is_mean = [False, False]
@@ -349,6 +416,23 @@ class CpuSide:
                 entry.future.set_result(None)
         self._last_acc = self._acc_pool.submit(self._timed("accumulate", task))
 
+    def deposit(self, buffer: int, steps: int, ready: Optional[Callable[[], None]]) -> Future:
+        """Accumulator ``buffer`` receives a whole window's mean (device accumulation).
+
+        ``ready`` (waited for on the accumulate thread, in order with the other tasks)
+        says the copy into the buffer has finished; the window counts ``steps`` steps. An
+        update submitted after this waits for it like for a last accumulation.
+        """
+        self.kick()
+
+        def task():
+            if ready is not None:
+                ready()
+            self.acc_steps[buffer] = steps
+            self.acc_is_mean[buffer] = True
+        self._last_acc = self._acc_pool.submit(task)
+        return self._last_acc
+
     def _add_steps(self, batch: List[_Queued]) -> None:
         """Adds the batch's steps (one buffer, step order) into its accumulator."""
         buffer = batch[0].buffer
@@ -424,7 +508,9 @@ class CpuSide:
             if last is not None:
                 last.result()
             self._guard_upload()
+            start = time.perf_counter()
             self._apply_adam(buffer, window, hp)
+            self.last_update_s = time.perf_counter() - start
             if self.after_update is not None:
                 self.after_update()
         self._update = self._update_pool.submit(self._timed("update", task))

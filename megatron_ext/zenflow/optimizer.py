@@ -7,9 +7,12 @@ re-selected):
    columns of each matrix are gathered (compacted per param group), unscaled and clipped
    like megatron-core's, and Adam updates their fp32 masters and moments, which live on
    the model's device; the new weights are scattered into the model.
-2. CPU side: the delayed columns' gradients are gathered in the training dtype, copied to
-   pinned host memory on a side stream and added, in fp32, into the open window's
-   accumulator by the CPU worker's accumulate thread.
+2. CPU side: the delayed columns' gradients are gathered in the training dtype and
+   summed in fp32 over the window (``accumulation``): on the model's device, whose
+   window mean goes to the host once at the window's end (``--zenflow-accumulate
+   device``), or on the host, each step's grads copied to pinned host memory on a side
+   stream and added into the open window's accumulator by the CPU worker's accumulate
+   thread (``host``); auto picks at the first step from the device's free memory.
 3. At the last step of a window: wait for the previous window's CPU update, copy its new
    weights into the model, and start the CPU update of this window (Adam with the mean of
    the window's gradients) on the worker's update thread; the GPU trains on.
@@ -25,6 +28,7 @@ its moments under the other side's count.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -39,9 +43,14 @@ from megatron_ext.training.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )
+from megatron_ext.zenflow.accumulation import (
+    DeviceAccumulator,
+    choose_place,
+    measured_free_memory,
+)
 from megatron_ext.zenflow.config import ZenFlowConfig
 from megatron_ext.zenflow.cpu_worker import CpuSide, TieredCpuSide
-from megatron_ext.zenflow.schedule import WindowSchedule
+from megatron_ext.zenflow.schedule import WindowSchedule, adam_floor
 from megatron_ext.zenflow.selection import (
     Plan,
     build_plans,
@@ -58,6 +67,8 @@ STAGING_SLOTS = 3
 """Steps of delayed grads that may wait in pinned memory for the accumulate thread (each
 slot holds one step's delayed grads in the training dtype: 2 bytes x (1-k) x parameters)."""
 STAGING_ENV = "MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"
+
+log = logging.getLogger(__name__)
 
 
 def staging_slots() -> int:
@@ -93,7 +104,15 @@ class ZenFlowEngine:
                  model_dtype: torch.dtype, grad_dtype: torch.dtype, dp_group=None,
                  tp_group=None, stats_group=None, tp_rank: int = 0, tp_size: int = 1,
                  all_params: Optional[Sequence[torch.Tensor]] = None,
-                 make_cpu_engine: Optional[Callable] = None):
+                 make_cpu_engine: Optional[Callable] = None,
+                 free_memory: Optional[Callable[[], tuple]] = None):
+        """The engine over ``shards``.
+
+        ``free_memory()``: (free, total) bytes of the model's device for the auto
+        accumulation place, measured at the first step (default
+        :func:`~megatron_ext.zenflow.accumulation.measured_free_memory`; a test injects a
+        limit).
+        """
         self.cfg = cfg
         self.shards = list(shards)
         self.device = device
@@ -146,11 +165,23 @@ class ZenFlowEngine:
         self._scattered: Optional[object] = None
         """The event of the last boundary's scatter from ``_upload_dev`` (the next copy into
         it waits for it)."""
+        self._d2h = None
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
             self.cpu.upload_guard = self._wait_last_copy
             self.cpu.after_update = self._start_upload_copy
+        self.place: Optional[str] = None
+        """Where the delayed grads are summed, "device" or "host" (decided at the first
+        step of the process: :meth:`_decide_place`)."""
+        self.place_reason = ""
+        self._free_memory = free_memory or (lambda: measured_free_memory(self.device))
+        self.dev = DeviceAccumulator(device, stream=self._d2h)
+        # The auto interval's lower bound: the time per step (its stalls left out) over the
+        # window that is open, measured between the starts of consecutive steps.
+        self._last_start: Optional[float] = None
+        self._step_stall = 0.0
+        self._window_time = [0.0, 0]
         self._reset_stats()
 
     # ------------------------------------------------------------ helpers
@@ -163,7 +194,8 @@ class ZenFlowEngine:
 
     def _reset_stats(self) -> None:
         self._stats = {"steps": 0, "rho": 0.0, "stall_s": 0.0, "gpu_update_s": 0.0,
-                       "d2h_bytes": 0.0, "h2d_bytes": 0.0, "uploads_ready": 0}
+                       "d2h_bytes": 0.0, "h2d_bytes": 0.0, "uploads_ready": 0,
+                       "d2h_copies": 0, "since": time.perf_counter()}
         if hasattr(self, "cpu"):
             with self.cpu.lock:
                 self.cpu.busy = {k: 0.0 for k in self.cpu.busy}
@@ -171,7 +203,9 @@ class ZenFlowEngine:
     def _wait(self, fn) -> None:
         start = time.perf_counter()
         fn()
-        self._stats["stall_s"] += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self._stats["stall_s"] += waited
+        self._step_stall += waited
 
     @property
     def initialized(self) -> bool:
@@ -183,9 +217,16 @@ class ZenFlowEngine:
     @torch.no_grad()
     def step(self, hparams: List[dict], inv_scale, clip_coeff) -> None:
         """One optimizer step with the gradients in the shards' grad buffers."""
+        start = time.perf_counter()
+        if self._last_start is not None:  # the previous step's interval, its waits left out
+            self._window_time[0] += start - self._last_start - self._step_stall
+            self._window_time[1] += 1
+        self._last_start, self._step_stall = start, 0.0
         plan = self.schedule.next_step()
         if not self.initialized:
             self._select(first=True)
+        if self.place is None:
+            self._decide_place()
         start = time.perf_counter()
         self.gpu_steps += 1
         with record_function("zenflow/gpu_update"):
@@ -214,10 +255,67 @@ class ZenFlowEngine:
             if plan.select:
                 self._flush_pending()
         # With a fixed interval rho is only a metric: it stays on the device (no sync here).
-        self.schedule.end_step(plan, rho if isinstance(rho, float) else 0.0)
+        floor = self._window_floor() if plan.closes_window and \
+            self.cfg.fixed_interval is None else 1
+        self.schedule.end_step(plan, rho if isinstance(rho, float) else 0.0, floor=floor)
         if plan.select and plan.step > 1:
             self._select(first=False)
+            if self.place == "device":
+                self.dev.resize(self.cpu_plan.sizes)
         self._stats["steps"] += 1
+
+    def _window_floor(self) -> int:
+        """The next window's least length: its steps outlast the CPU's Adam pass.
+
+        From the last finished CPU update's time (the one this boundary waited for) and
+        the time per step of the window that closes; the largest over the ranks that
+        share rho, so that all of them agree on every boundary.
+        """
+        total, count = self._window_time
+        self._window_time = [0.0, 0]
+        step_s = total / count if count else 0.0
+        floor = adam_floor(self.cpu.last_update_s, step_s)
+        if self.stats_group is not None and \
+                torch.distributed.get_world_size(self.stats_group) > 1:
+            value = torch.tensor([floor], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.stats_group)
+            floor = int(value.item())
+        return floor
+
+    # ------------------------------------------------------------ accumulation place
+
+    def _decide_place(self) -> None:
+        """Device or host accumulation, once per process, before the first accumulation.
+
+        At the first step, so after the first forward-backward: the free memory then
+        leaves room for the activations' peak (held by the caching allocator).
+        """
+        need = 4 * sum(self.cpu_plan.sizes.values())
+        free, total = (None, None) if self.cfg.zenflow_accumulate != "auto" else \
+            self._free_memory()
+        self.place, self.place_reason = choose_place(self.cfg.zenflow_accumulate, need,
+                                                     free, total)
+        log.info("ZenFlow accumulates the delayed gradients on the %s (%s)", self.place,
+                 self.place_reason)
+        if self.place == "device":
+            if self.is_cuda:
+                self.cpu.pin_accumulators()
+            self.dev.resize(self.cpu_plan.sizes)
+            self._adopt_host_partial()
+        elif self.is_cuda:
+            self._ensure_staging()
+
+    def _adopt_host_partial(self) -> None:
+        """The open window's partial sum from the host accumulator into the device's.
+
+        A checkpoint's sum is in the host's layout, the same numbers either place.
+        """
+        buffer = self.schedule.buffer
+        steps = self.cpu.acc_steps[buffer]
+        if steps and not self.cpu.acc_is_mean[buffer]:
+            self.dev.load(self.cpu.acc[buffer], steps)
+            self.cpu.acc_steps[buffer] = 0
 
     def _send_delayed_grads(self, inv_scale, clip_coeff, last: bool, need_rho: bool = True):
         """Gathers the delayed columns' grads, queues their accumulation; returns rho.
@@ -228,10 +326,12 @@ class ZenFlowEngine:
         """
         total_energy = _energy([s.grad() for s in self.shards if s.counts_in_norm and s.numel],
                                self.device)
-        slot = self._slot
-        self._slot = (slot + 1) % self._slots
-        if self._stage_free[slot] is not None:  # the accumulation that used this slot
-            self._wait(self._stage_free[slot].result)
+        on_device = self.place == "device"
+        if not on_device:
+            slot = self._slot
+            self._slot = (slot + 1) % self._slots
+            if self._stage_free[slot] is not None:  # the accumulation that used this slot
+                self._wait(self._stage_free[slot].result)
         grads, counted = {}, []
         for group, n in self.cpu_plan.sizes.items():
             compact = self.cpu_plan.gather(group, self._grad, torch.empty(
@@ -254,12 +354,22 @@ class ZenFlowEngine:
             delayed, total = energies.unbind()
             rho = torch.where(total > 0, delayed / total, torch.zeros_like(total))
         self._add_rho(rho)
+        if on_device:
+            self.dev.add(grads, inv_scale, clip_coeff)
+            if last:
+                buffer = self.schedule.buffer
+                steps, ready = self.dev.drain(self.cpu.acc[buffer])
+                self._stats["d2h_bytes"] += self.dev.nbytes()
+                self._stats["d2h_copies"] += 1
+                self.cpu.deposit(buffer, steps, ready)
+            return rho
         # Every read from the GPU of this step is above: the D2H queued below is served
         # before any later copy to the host (bench/copy_probe.py), so a read after it waits.
         ready = None
         if self.is_cuda and grads:
             grads, ready = self._to_host(slot, grads)
         self._stats["d2h_bytes"] += sum(g.numel() * g.element_size() for g in grads.values())
+        self._stats["d2h_copies"] += 1 if grads else 0
         self._stage_free[slot] = self.cpu.accumulate(self.schedule.buffer, grads, inv_scale,
                                                      clip_coeff, ready=ready, last=last)
         return rho
@@ -400,6 +510,8 @@ class ZenFlowEngine:
             if buf is None or buf.numel() < n:
                 self._upload_dev[group] = torch.empty(int(n * 1.01) + 1, dtype=self.model_dtype,
                                                       device=self.device)
+        if self.place != "host":  # device accumulation needs no staging (undecided: later)
+            return
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         for stage in self._stage:
             for group, n in self.cpu_plan.sizes.items():
@@ -553,6 +665,13 @@ class ZenFlowEngine:
                  "initialized": self.initialized}
         if not self.initialized:
             return state
+        # The open window's partial sum in the host's layout (whichever place holds it):
+        # a run may resume with the other place and continue the same sum.
+        acc = [dict(a) for a in self.cpu.acc]
+        acc_steps = list(self.cpu.acc_steps)
+        if self.place == "device" and self.dev.steps:
+            buffer = self.schedule.buffer
+            acc[buffer], acc_steps[buffer] = self.dev.partial(), self.dev.steps
         state.update({
             "selected": self.selected,
             "selected_all": self.selected_all,
@@ -560,8 +679,8 @@ class ZenFlowEngine:
             "cpu_steps": self.cpu.steps,
             "gpu": {k: {g: t.cpu() for g, t in v.items()} for k, v in self.gpu.items()},
             "cpu": {k: dict(v) for k, v in self.cpu.states().items()},
-            "acc": [dict(a) for a in self.cpu.acc],
-            "acc_steps": list(self.cpu.acc_steps),
+            "acc": acc,
+            "acc_steps": acc_steps,
             "upload_pending": self.upload_pending,
             "selected_ratio": self.selected_ratio,
             "retention": self.retention,
@@ -593,6 +712,10 @@ class ZenFlowEngine:
             for group, tensor in saved.items():
                 mine[group].copy_(tensor)
         self.cpu.acc_steps = list(state["acc_steps"])
+        if self.place == "device":  # decided already (a load after steps of this process)
+            self.dev.steps = 0
+            self.dev.resize(self.cpu_plan.sizes)
+            self._adopt_host_partial()
         self.upload_pending = state["upload_pending"]
         if self.upload_pending:
             self.cpu.masters_to_upload()
@@ -610,8 +733,18 @@ class ZenFlowEngine:
         return self.cpu.host_bytes()
 
     def metrics(self) -> Dict[str, float]:
-        """``zenflow/*`` per-step means since the last call."""
+        """``zenflow/*`` per-step means since the last call.
+
+        Besides the earlier names: ``stall_share`` (the loop's waits for the CPU side over
+        the wall time since the last call), ``host_thread_s`` (the CPU side's threads'
+        time per step: accumulation and Adam), ``pcie_bytes`` (D2H + H2D per step),
+        ``d2h_copies`` (copies of delayed grads to the host per step: 1 with host
+        accumulation, 1 per window with device accumulation), ``accumulate_on_device``
+        (1: device accumulation, 0: host), ``device_acc_gib`` (its device memory) and
+        ``grad_bytes`` (bytes per gradient element: 2 for bf16 grads, 4 for fp32).
+        """
         steps = max(1, self._stats["steps"])
+        wall = time.perf_counter() - self._stats["since"]
         with self.cpu.lock:
             busy = dict(self.cpu.busy)
         record = {
@@ -628,6 +761,13 @@ class ZenFlowEngine:
             "zenflow/uploads_ready": float(self._stats["uploads_ready"]),
             "zenflow/device_state_gib": self.device_state_bytes() / 2**30,
             "zenflow/host_state_gib": self.host_state_bytes() / 2**30,
+            "zenflow/stall_share": self._stats["stall_s"] / wall if wall > 0 else 0.0,
+            "zenflow/host_thread_s": (busy["accumulate"] + busy["update"]) / steps,
+            "zenflow/pcie_bytes": (self._stats["d2h_bytes"] + self._stats["h2d_bytes"]) / steps,
+            "zenflow/d2h_copies": self._stats["d2h_copies"] / steps,
+            "zenflow/accumulate_on_device": float(self.place == "device"),
+            "zenflow/device_acc_gib": self.dev.nbytes() / 2**30,
+            "zenflow/grad_bytes": float(torch.empty((), dtype=self.grad_dtype).element_size()),
         }
         record.update(self.cpu.metrics())
         self._reset_stats()

@@ -12,6 +12,13 @@ Auto interval: the next window's length is ``min(16, max(1, floor(1 / rho)))`` w
 is the mean, over the window that just closed, of the share of gradient energy in the
 delayed columns. The first window after the warm-up has length 4 (the paper's default).
 All ranks see the same all-reduced rho, so they agree on every boundary.
+
+The auto interval has a lower bound too (:func:`adam_floor`): a window is never shorter
+than the CPU's Adam pass over the delayed columns takes, measured (the last finished
+update's time over the time per step of the window that closes, with ``ADAM_SLACK``),
+so that the boundary, which waits for the previous window's update, does not wait. The
+engine takes the largest bound over the ranks that share rho. Since it is measured, the
+window lengths of an auto run depend on the machine's speed (a fixed interval does not).
 """
 
 from __future__ import annotations
@@ -22,6 +29,35 @@ import math
 from megatron_ext.zenflow.config import AUTO_MAX_INTERVAL, ZenFlowConfig
 
 AUTO_FIRST_INTERVAL = 4
+ADAM_SLACK = 1.25
+"""The CPU update is expected to take up to this factor of its last measured time."""
+
+
+def adam_floor(adam_s: float, step_s: float, max_interval: int = AUTO_MAX_INTERVAL,
+               slack: float = ADAM_SLACK) -> int:
+    """The fewest steps of a window during which the CPU's Adam pass finishes.
+
+    ``ceil(slack * adam_s / step_s)`` steps, at least 1 and at most ``max_interval`` (the
+    longest window auto opens: a slower CPU update then makes the boundary wait rather
+    than the delay grow without end). 1 when either time is unknown (zero, not finite).
+
+    Args:
+        adam_s: the CPU update's time (seconds, its thread's wall time).
+        step_s: the time per step without the waits for the CPU side (seconds).
+        max_interval: the largest result.
+        slack: the factor on ``adam_s``.
+    """
+    if not (math.isfinite(adam_s) and math.isfinite(step_s)) or adam_s <= 0 or step_s <= 0:
+        return 1
+    return max(1, min(max_interval, math.ceil(slack * adam_s / step_s)))
+
+
+def auto_interval(mean_rho: float, floor: int = 1, max_interval: int = AUTO_MAX_INTERVAL
+                  ) -> int:
+    """The next window's length: ``min(max, max(1, floor(1 / rho), floor))``."""
+    rule = (max_interval if mean_rho <= 1.0 / max_interval
+            else max(1, min(max_interval, math.floor(1.0 / mean_rho))))
+    return max(rule, min(floor, max_interval))
 
 
 @dataclasses.dataclass
@@ -68,17 +104,18 @@ class WindowSchedule:
             self.last_select = self.step
         return StepPlan(self.step, sync, closes, select)
 
-    def end_step(self, plan: StepPlan, rho: float) -> None:
-        """Records the step's rho; at a window's end, sets the next window's length."""
+    def end_step(self, plan: StepPlan, rho: float, floor: int = 1) -> None:
+        """Records the step's rho; at a window's end, sets the next window's length.
+
+        ``floor``: the auto interval's lower bound (:func:`adam_floor`).
+        """
         if plan.sync:
             return
         self.rho_sum += rho
         if not plan.closes_window:
             return
         if self.cfg.fixed_interval is None:
-            mean = self.rho_sum / self.in_window
-            self.window_length = (AUTO_MAX_INTERVAL if mean <= 1.0 / AUTO_MAX_INTERVAL
-                                  else max(1, min(AUTO_MAX_INTERVAL, math.floor(1.0 / mean))))
+            self.window_length = auto_interval(self.rho_sum / self.in_window, floor)
         self.windows_closed += 1
         self.in_window = 0
         self.rho_sum = 0.0

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from mext_testing import TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
+from mext_testing import (
+    TINY,
+    losses_of,
+    read_metrics,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
 
 BASE = [*TINY, "--train-iters", "12", "--use-distributed-optimizer"]
 LAYOUTS = {"dp2-bf16": ["--bf16"], "tp2-bf16": ["--bf16", "--tensor-model-parallel-size", "2"],
@@ -25,6 +32,9 @@ MODES = {
 # alone) where the selection is split the most, TP=2.
 CASES = [("dp2-bf16", "synchronous"), ("tp2-bf16", "synchronous"), ("dp2-fp32", "synchronous"),
          ("tp2-bf16", "all-selected")]
+# The same with the delayed grads summed on the device (--zenflow-accumulate device; the
+# cases above take auto, which is host on a CPU run).
+DEVICE_CASES = [("dp2-bf16", "synchronous"), ("tp2-bf16", "synchronous")]
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +51,18 @@ def plain_losses(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout,mode", CASES, ids=[f"{a}-{b}" for a, b in CASES])
-def test_two_ranks_zenflow_equals_plain(tmp_path, plain_losses, layout, mode):
+@pytest.mark.parametrize("layout,mode,place",
+                         [(*c, "auto") for c in CASES] + [(*c, "device") for c in DEVICE_CASES],
+                         ids=[f"{a}-{b}" for a, b in CASES]
+                         + [f"{a}-{b}-device" for a, b in DEVICE_CASES])
+def test_two_ranks_zenflow_equals_plain(tmp_path, plain_losses, layout, mode, place):
     zenflow = tmp_path / "zenflow.jsonl"
-    run_pretrain([*BASE, *LAYOUTS[layout], *MODES[mode], "--metrics-path", str(zenflow)],
-                 nproc=2)
+    run_pretrain([*BASE, *LAYOUTS[layout], *MODES[mode], "--zenflow-accumulate", place,
+                  "--metrics-path", str(zenflow)], nproc=2)
     assert train_losses(zenflow) == plain_losses(layout)
+    if place == "device":
+        records = read_metrics(zenflow)
+        assert records[-1]["zenflow/accumulate_on_device"] == 1.0
 
 
 def test_two_ranks_zenflow_resume_is_exact_and_needs_the_same_layout(tmp_path):

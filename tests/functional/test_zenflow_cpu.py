@@ -61,10 +61,41 @@ def run_zenflow(tmp_path, flags, name="zenflow.jsonl", **kwargs):
     return out
 
 
+@pytest.mark.parametrize("place", ["host", "device"])
 @pytest.mark.parametrize("precision", ["fp32"])
-def test_all_columns_selected_equals_plain_adam(tmp_path, baseline, precision):
-    out = run_zenflow(tmp_path, [*ALL_SELECTED, *precision_flags(precision)])
+def test_all_columns_selected_equals_plain_adam(tmp_path, baseline, precision, place):
+    out = run_zenflow(tmp_path, [*ALL_SELECTED, *precision_flags(precision),
+                                 "--zenflow-accumulate", place])
     assert train_losses(out) == baseline(precision)
+    assert read_metrics(out)[-1]["zenflow/accumulate_on_device"] == float(place == "device")
+
+
+def test_device_accumulation_equals_host_and_resumes_mid_window(tmp_path):
+    """--zenflow-accumulate device (on the CPU the device is the CPU: the same code): the
+    host's losses bit for bit, with one copy to the host per window; stopped at 6, mid-
+    window (steps 5-6 summed on the device) with window 1's update pending, and resumed:
+    still the same curve (the device's partial sum is in the checkpoint)."""
+    flags = [*ASYNC, "--bf16", "--log-interval", "1", "--eval-iters", "0",
+             "--lr-decay-style", "linear"]
+    host = run_zenflow(tmp_path, [*flags, "--zenflow-accumulate", "host"], name="host.jsonl")
+    device = [*flags, "--zenflow-accumulate", "device", "--save", str(tmp_path / "ckpt")]
+    first = run_zenflow(tmp_path, [*device, "--exit-interval", "6"], name="first.jsonl")
+    second = run_zenflow(tmp_path, [*device, "--load", str(tmp_path / "ckpt")],
+                         name="second.jsonl")
+    records = [r for r in read_metrics(first) + read_metrics(second) if "lm_loss" in r]
+    assert losses_of(records) == train_losses(host)
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    assert all(r["zenflow/accumulate_on_device"] == 1.0 for r in records)
+    copies = [r["iteration"] for r in records if r["zenflow/d2h_copies"] > 0]
+    assert copies == [4, 8, 12, 16, 20]  # one per window, at its end
+    hosted = [r for r in read_metrics(host) if "lm_loss" in r]
+    assert all(r["zenflow/d2h_copies"] == 1.0 and r["zenflow/accumulate_on_device"] == 0.0
+               for r in hosted)
+    # bf16 grads: 2 bytes per delayed element per step on the host; the window's fp32
+    # mean once per 4 steps on the device: half of that per step.
+    host_d2h = sum(r["zenflow/d2h_bytes"] for r in hosted)
+    device_d2h = sum(r["zenflow/d2h_bytes"] for r in records)
+    assert device_d2h == pytest.approx(host_d2h / 2, rel=0.05)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

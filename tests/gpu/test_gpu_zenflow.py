@@ -38,7 +38,9 @@ def test_zenflow_async_on_cuda(tmp_path):
     records = [r for r in read_metrics(out) if "lm_loss" in r]
     losses = losses_of(records)
     assert sum(losses[-3:]) < 0.9 * sum(losses[:3])
-    assert all(r["zenflow/d2h_bytes"] > 0 for r in records)
+    # auto accumulates on the GPU (the tiny model's sum fits): one D2H per window, at its end.
+    assert all(r["zenflow/accumulate_on_device"] == 1.0 for r in records)
+    assert [r["iteration"] for r in records if r["zenflow/d2h_bytes"] > 0] == [4, 8, 12, 16, 20]
     assert sorted(r["iteration"] for r in records if r["zenflow/h2d_bytes"] > 0) == [8, 12, 20]
     assert 0 < records[-1]["zenflow/device_state_gib"] < records[-1]["zenflow/host_state_gib"]
 
@@ -92,3 +94,86 @@ def test_zenflow_cpu_side_in_offload_tiers_on_cuda(tmp_path, select_interval):
                   "--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036",
                   "--offload-direct-io", "--metrics-path", str(offload)])
     assert losses_of(read_metrics(offload)) == losses_of(read_metrics(memory))
+
+
+def _engine_on_cuda(place: str, steps: int = 12):
+    """ZenFlowEngine over three bf16 CUDA parameters, windows of 3 steps, re-selection every
+    6, a clip coefficient every 5th step; returns (weights on the host, engine facts)."""
+    from megatron_ext.training.sharded_optimizer import Shard
+    from megatron_ext.zenflow.config import ZenFlowConfig
+    from megatron_ext.zenflow.optimizer import ZenFlowEngine
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(1)
+    shards = []
+    for shape, group in (((64, 48), 0), ((48,), 1), ((32, 64), 0)):
+        param = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen)
+                                   .bfloat16(), requires_grad=False)
+        param.main_grad = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        shards.append(Shard(model_param=param, group=group, start=0, end=param.numel(),
+                            counts_in_norm=True))
+    hparams = [{"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+               {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+    cfg = ZenFlowConfig(zenflow=True, zenflow_topk_ratio=0.25, zenflow_update_interval="3",
+                        zenflow_select_interval=6, zenflow_accumulate=place)
+    engine = ZenFlowEngine(cfg, shards, device=device, model_dtype=torch.bfloat16,
+                           grad_dtype=torch.bfloat16)
+    try:
+        for step in range(1, steps + 1):
+            for shard in shards:
+                shard.model_param.main_grad.copy_(torch.randn(
+                    shard.model_param.shape, device=device, generator=gen) * (1 + step))
+            engine.step(hparams, None, 0.5 if step % 5 == 0 else None)
+        engine.cpu.wait_update()
+        torch.cuda.synchronize()
+        facts = {"place": engine.place, "transfers": engine.dev.transfers,
+                 "windows": engine.schedule.windows_closed, **engine.metrics()}
+        return [s.weights().float().cpu() for s in shards], facts
+    finally:
+        engine.close()
+
+
+def test_zenflow_device_accumulation_on_cuda_equals_host_bit_for_bit():
+    """The delayed grads summed on the GPU (fused adds, the window's mean in one D2H on the
+    side stream, zeroed behind it) give the host accumulation's weights bit for bit, with
+    one copy to the host per window."""
+    host, host_facts = _engine_on_cuda("host")
+    device, facts = _engine_on_cuda("device")
+    assert host_facts["place"] == "host" and facts["place"] == "device"
+    assert facts["windows"] == 4 and facts["transfers"] == 4  # one D2H per window
+    assert facts["zenflow/d2h_copies"] == 4 / 12 and host_facts["zenflow/d2h_copies"] == 1.0
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)
+
+
+def test_zenflow_device_accumulation_on_cuda_trains_like_host(tmp_path):
+    """pretrain_gpt.py with --zenflow-accumulate device and host: the same losses (within
+    rounding; printed whether bit for bit), one D2H of delayed grads per window (at 4, 8,
+    ... with S = 4) against one per step, and fewer bytes over PCIe."""
+    flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8"]
+    runs = {}
+    for place in ("host", "device"):
+        out = tmp_path / f"{place}.jsonl"
+        run_pretrain([*flags, "--zenflow-accumulate", place, "--metrics-path", str(out)])
+        runs[place] = [r for r in read_metrics(out) if "lm_loss" in r]
+    host, device = (losses_of(runs[p]) for p in ("host", "device"))
+    print("device accumulation losses equal to host bit for bit:", host == device)
+    assert device == pytest.approx(host, rel=1e-5)
+    assert all(r["zenflow/accumulate_on_device"] == 1.0 for r in runs["device"])
+    assert [r["iteration"] for r in runs["device"] if r["zenflow/d2h_copies"] > 0] == \
+        [4, 8, 12, 16, 20]
+    assert all(r["zenflow/d2h_copies"] == 1.0 for r in runs["host"])
+    pcie = {p: sum(r["zenflow/pcie_bytes"] for r in runs[p]) for p in runs}
+    assert pcie["device"] < pcie["host"], pcie
+
+
+def test_zenflow_auto_accumulates_on_the_gpu_when_it_has_room(tmp_path):
+    """auto (the default) on the GPU: the tiny model's accumulator fits, so device; with
+    the free memory forced to nothing (the test hook), host."""
+    flags = [*BASE, "--zenflow", "--zenflow-select-interval", "8", "--train-iters", "4"]
+    seen = {}
+    for name, env in (("room", {}), ("full", {"MEGATRON_EXT_ZENFLOW_DEVICE_FREE_BYTES": "0"})):
+        out = tmp_path / f"{name}.jsonl"
+        run_pretrain([*flags, "--metrics-path", str(out)], env=env)
+        seen[name] = read_metrics(out)[-1]["zenflow/accumulate_on_device"]
+    assert seen == {"room": 1.0, "full": 0.0}

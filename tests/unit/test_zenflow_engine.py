@@ -16,6 +16,7 @@ selected by gradient energy at step 1 and re-selected at window ends.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -219,7 +220,9 @@ def tiered_engine_factory(tmp_path, dtype, made: list):
 
 
 def run_both(cfg, dtype, steps, monkeypatch=None, jitter=None, make_cpu_engine=None,
-             keep_open=False):
+             keep_open=False, place="host"):
+    """The engine and the reference over ``steps`` steps; ``place``: the accumulation's."""
+    cfg = dataclasses.replace(cfg, zenflow_accumulate=place)
     if jitter is not None:
         monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_JITTER", str(jitter))
     shards = make_shards(dtype)
@@ -250,6 +253,7 @@ def run_both(cfg, dtype, steps, monkeypatch=None, jitter=None, make_cpu_engine=N
                 expected_windows.append(open_window)
                 open_window = []
         engine.cpu.wait_update()
+        assert engine.place == place
         return engine, shards, ref, expected_windows
     finally:
         if not keep_open:
@@ -280,10 +284,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("kernels", ["c", "torch"])
+# Device accumulation does not use the host kernels: one run of it per case.
+@pytest.mark.parametrize("kernels,place", [("c", "host"), ("torch", "host"), ("c", "device")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_equals_reference(case, dtype, kernels, monkeypatch):
+def test_engine_equals_reference(case, dtype, kernels, place, monkeypatch):
+    """Either accumulation place (on the CPU the device is the CPU: the same code runs),
+    either host kernel: the reference's states and weights, bit for bit."""
     if kernels == "torch":  # the path of machines without a C compiler
         monkeypatch.setattr(host_kernels, "load", lambda: None)
     elif host_kernels.load() is None:
@@ -291,22 +298,28 @@ def test_engine_equals_reference(case, dtype, kernels, monkeypatch):
     # Small chunks: the torch path's chunked fp32 conversion crosses chunk boundaries.
     monkeypatch.setattr(cpu_worker, "ACCUMULATE_CHUNK", 7)
     cfg = ZenFlowConfig(zenflow=True, **CASES[case])
-    engine, shards, ref, _ = run_both(cfg, dtype, steps=25)
+    engine, shards, ref, _ = run_both(cfg, dtype, steps=25, place=place)
     assert (engine.cpu._kernels is not None) == (kernels == "c")
     assert_same(engine, shards, ref)
+    if place == "device":  # one copy to the host per window (or synchronous step)
+        windows = engine.schedule.windows_closed + min(25, cfg.zenflow_full_warmup_steps)
+        assert engine.dev.transfers == windows > 0
     assert engine.retention == engine.retention  # re-selected at least once: not NaN
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["S3-k0.25-reselect6-warmup2", "S1-k0.5-reselect1",
-                                  "S4-k0.1-reselect8"])
-def test_cpu_side_in_offload_tiers_reselects_like_the_reference(tmp_path, case, dtype):
+@pytest.mark.parametrize("dtype,case,place", [
+    (dtype, case, "host") for dtype in (torch.float32, torch.bfloat16)
+    for case in ("S3-k0.25-reselect6-warmup2", "S1-k0.5-reselect1", "S4-k0.1-reselect8")
+] + [(torch.bfloat16, "S3-k0.25-reselect6-warmup2", "device")])
+def test_cpu_side_in_offload_tiers_reselects_like_the_reference(tmp_path, case, dtype, place):
     """Re-selection with the CPU side's states in offload engines (files on two paths): every
-    moment reaches its new side; each selection gets a new engine, the old one's files go."""
+    moment reaches its new side; each selection gets a new engine, the old one's files go.
+    Also with the window sums made on the device (the engines read the accumulator the
+    device's mean arrives in)."""
     made = []
     cfg = ZenFlowConfig(zenflow=True, **CASES[case])
     engine, shards, ref, _ = run_both(cfg, dtype, steps=25, keep_open=True, make_cpu_engine=(
-        tiered_engine_factory(tmp_path, dtype, made)))
+        tiered_engine_factory(tmp_path, dtype, made)), place=place)
     try:
         assert_same(engine, shards, ref)
         assert len(made) >= 3  # the first selection and at least two re-selections
@@ -395,7 +408,7 @@ def test_host_cpus_default_only_on_request(monkeypatch):
     allowed = os.sched_getaffinity(0)
     assert cpu_worker.host_cpus() is None
     assert cpu_worker.host_cpus(default=True) == cpu_worker.default_host_cpus(
-        allowed, os.cpu_count(), 1)
+        allowed, os.cpu_count(), 1, cpu_worker.cpu_siblings(allowed))
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", "all")
     assert cpu_worker.host_cpus(default=True) is None
 
@@ -476,12 +489,14 @@ def test_selection_changes_sides():
     assert engine.retention < 1.0
 
 
-def test_windows_use_their_own_gradients_under_jitter(monkeypatch):
+@pytest.mark.parametrize("place,repeats", [("host", 8), ("device", 3)])
+def test_windows_use_their_own_gradients_under_jitter(monkeypatch, place, repeats):
     """Random delays in the CPU threads: window w's update still sees window w's mean."""
     cfg = ZenFlowConfig(zenflow=True, **CASES["S3-k0.25-reselect6-warmup2"])
-    for repeat in range(8):
+    for repeat in range(repeats):
         engine, shards, ref, expected = run_both(cfg, torch.float32, steps=20,
-                                                 monkeypatch=monkeypatch, jitter=0.004)
+                                                 monkeypatch=monkeypatch, jitter=0.004,
+                                                 place=place)
         assert_same(engine, shards, ref)
         windows = [t for t in engine.cpu.trace if t[0] >= 0]
         assert [w for w, _ in windows] == list(range(len(windows)))
@@ -497,8 +512,12 @@ def test_windows_use_their_own_gradients_under_jitter(monkeypatch):
                 assert torch.equal(mean, acc), f"repeat {repeat} window {window} group {group}"
 
 
-def test_state_dict_round_trip_mid_window():
-    """Saved mid-window with an update pending: a restored engine continues identically."""
+@pytest.mark.parametrize("saved,loaded", [("host", "host"), ("device", "device"),
+                                          ("device", "host"), ("host", "device")])
+def test_state_dict_round_trip_mid_window(saved, loaded):
+    """Saved mid-window with an update pending: a restored engine continues identically,
+    also with the accumulator on the device (its partial sum is in the state) and when the
+    run resumes with the other accumulation place."""
     cfg = ZenFlowConfig(zenflow=True, zenflow_topk_ratio=0.25, zenflow_update_interval="3",
                         zenflow_select_interval=6)
     dtype = torch.bfloat16
@@ -508,17 +527,18 @@ def test_state_dict_round_trip_mid_window():
             shard.model_param.main_grad.copy_(g)
 
     a_shards = make_shards(dtype)
-    a = ZenFlowEngine(cfg, a_shards, device=torch.device("cpu"), model_dtype=dtype,
-                      grad_dtype=dtype)
+    a = ZenFlowEngine(dataclasses.replace(cfg, zenflow_accumulate=saved), a_shards,
+                      device=torch.device("cpu"), model_dtype=dtype, grad_dtype=dtype)
     b_shards = make_shards(dtype)
-    b = ZenFlowEngine(cfg, b_shards, device=torch.device("cpu"), model_dtype=dtype,
-                      grad_dtype=dtype)
+    b = ZenFlowEngine(dataclasses.replace(cfg, zenflow_accumulate=loaded), b_shards,
+                      device=torch.device("cpu"), model_dtype=dtype, grad_dtype=dtype)
     try:
         for step in range(1, 5):  # window 0 closed at 3 (pending), step 4 accumulated
             feed(a_shards, step)
             a.step(HPARAMS, None, clip_for(step))
         state = a.state_dict()
         assert state["upload_pending"] and state["acc_steps"][1] == 1
+        assert a.place == saved and (a.dev.steps == 1) == (saved == "device")
         for sa, sb in zip(a_shards, b_shards):
             sb.weights().copy_(sa.weights())
         b.load_state_dict(state)
@@ -528,6 +548,84 @@ def test_state_dict_round_trip_mid_window():
                 engine.step(HPARAMS, None, clip_for(step))
         for sa, sb in zip(a_shards, b_shards):
             assert torch.equal(sa.weights(), sb.weights())
+        assert b.place == loaded
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_device_sum_equals_host_sum_bit_for_bit(dtype, kernels, monkeypatch):
+    """The device accumulator and the CPU worker's, over windows of 3 steps (a divisor that
+    is not a power of two) with an inverse loss scale and a clip coefficient on some steps:
+    the same window means bit for bit."""
+    from megatron_ext.zenflow.accumulation import DeviceAccumulator
+
+    if kernels == "torch":
+        monkeypatch.setattr(host_kernels, "load", lambda: None)
+    elif host_kernels.load() is None:
+        pytest.skip("no C compiler: the host kernels cannot be built")
+    sizes = {0: 1000, 1: 37}
+    host = cpu_worker.CpuSide(sizes, torch.float32, pin=False)
+    dev = DeviceAccumulator(torch.device("cpu"))
+    dev.resize(sizes)
+    out = {g: torch.empty(n) for g, n in sizes.items()}
+    gen = torch.Generator().manual_seed(7)
+    try:
+        host.batch_steps = 2
+        for window in range(3):
+            buffer = window % 2
+            for step in range(3):
+                grads = {g: (torch.randn(n, generator=gen) * 1e3).to(dtype)
+                         for g, n in sizes.items()}
+                inv = torch.tensor(1 / 1024.0 * (1 + step)) if step != 1 else None
+                clip = 0.37 if step == 2 else None
+                host.accumulate(buffer, grads, inv, clip, last=step == 2)
+                dev.add(grads, inv, clip)
+            host.wait_accumulate()
+            steps, ready = dev.drain(out)
+            assert steps == 3 and ready is None and dev.steps == 0
+            for group in sizes:
+                assert torch.equal(out[group], host.acc[buffer][group]), (window, group)
+                assert torch.equal(dev.acc[group], torch.zeros(sizes[group]))
+            host._consumed(buffer)
+        assert dev.transfers == 3
+    finally:
+        host.close()
+
+
+@pytest.mark.parametrize("free,place", [(None, "host"), (10 ** 12, "device"), (10, "host")])
+def test_auto_place_from_the_injected_free_memory(free, place):
+    """--zenflow-accumulate auto: the free memory the hook reports at the first step picks
+    the place (no measure, a CPU run: host); both places train like the reference."""
+    cfg = ZenFlowConfig(zenflow=True, **CASES["S4-k0.1-reselect8"])
+    shards = make_shards(torch.bfloat16)
+    ref = Reference(make_shards(torch.bfloat16), cfg)
+    calls = []
+
+    def free_memory():
+        calls.append(engine.gpu_steps)
+        return free, None
+    engine = ZenFlowEngine(cfg, shards, device=torch.device("cpu"), model_dtype=torch.bfloat16,
+                           grad_dtype=torch.bfloat16, free_memory=free_memory)
+    try:
+        for step in range(1, 13):
+            grads = grads_for(step, torch.bfloat16)
+            for shard, g in zip(shards, grads):
+                shard.model_param.main_grad.copy_(g)
+            engine.step(HPARAMS, None, clip_for(step))
+            ref.step([g.view(-1)[s.start:s.end] for s, g in zip(shards, grads)], clip_for(step))
+        engine.cpu.wait_update()
+        assert calls == [0]  # measured once, at the first step, before any accumulation
+        assert engine.place == place, engine.place_reason
+        record = engine.metrics()
+        assert record["zenflow/accumulate_on_device"] == float(place == "device")
+        # 12 steps, windows of 4: one copy per window on the device, one per step on the host.
+        assert record["zenflow/d2h_copies"] == (3 / 12 if place == "device" else 1.0)
+        assert record["zenflow/pcie_bytes"] > 0 and 0 <= record["zenflow/stall_share"] < 1
+        assert record["zenflow/host_thread_s"] > 0
+        assert (record["zenflow/device_acc_gib"] > 0) == (place == "device")
+        assert_same(engine, shards, ref)
+    finally:
+        engine.close()
