@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from megatron_ext.config.fields import option
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.jobdir import check_run_id
 
 
 @dataclasses.dataclass
@@ -66,8 +67,9 @@ class OffloadConfig:
     offload_checksum: str = option("xxh3", choices=("xxh3", "crc32c", "none"))
     """Checksum written with each state file and verified on every read."""
     offload_run_id: Optional[str] = None
-    """Name of this job's directory under each path. Default: the Slurm job id, else
-    torchrun's run id, else a fresh id."""
+    """Name of this job's directory under each path: one directory name of letters, digits,
+    '.', '_' and '-'. Default: the Slurm job id, else torchrun's run id, else a fresh id.
+    One job at a time may use a run id (a second one refuses to start)."""
 
     def __post_init__(self):
         if self.offload_subgroup_size <= 0:
@@ -76,6 +78,8 @@ class OffloadConfig:
             raise UsageError("--offload-io-threads must be positive")
         if self.offload_host_cache_gb is not None and self.offload_host_cache_gb <= 0:
             raise UsageError("--offload-host-cache-gb must be positive")
+        if self.offload_run_id is not None:
+            check_run_id(self.offload_run_id)
         if not self.offload_optimizer:
             changed = [f.name for f in dataclasses.fields(self) if f.name != "offload_optimizer"
                        and getattr(self, f.name) != (

@@ -11,14 +11,13 @@ training dtype.
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from typing import Dict, List
 
 import torch
 
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine, ShardParam
+from megatron_ext.offload.jobdir import default_run_id
 from megatron_ext.offload.tiers import TierSpec, parse_tier_spec, probe_bandwidth
 from megatron_ext.training.sharded_optimizer import (
     ShardedStateOptimizer,
@@ -106,13 +105,7 @@ def _broadcast(value):
 
 
 def _run_id(cfg: OffloadConfig) -> str:
-    if cfg.offload_run_id:
-        return cfg.offload_run_id
-    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(name)
-        if value and value != "none":
-            return f"{name.split('_')[0].lower()}-{value}"
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    return cfg.offload_run_id or default_run_id(os.environ)
 
 
 def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
@@ -138,7 +131,8 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
 
 def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:
     """(run id, tier specs with bandwidths): the same on every rank (collective call)."""
-    run_id = _broadcast(_run_id(cfg) if rank == 0 else None)
+    own = _run_id(cfg)  # every rank checks the environment's id: all refuse alike
+    run_id = _broadcast(own if rank == 0 else None)
     return run_id, resolve_tiers(cfg, rank)
 
 
