@@ -45,20 +45,24 @@ class OffloadConfig:
     """How subgroups are spread over --offload-paths: bandwidth (each path's share of bytes
     proportional to its bandwidth, interleaved; MLP-Offload's rule) or round-robin."""
     offload_rebalance: bool = option(True, negate="--no-offload-rebalance")
-    """Track each path's observed throughput every step and move subgroups off a path
-    that slows down (contention), with hysteresis."""
+    """Keep every subgroup on the path it was placed on at start, even when a path slows
+    down. Without this flag the engine tracks each path's observed throughput every step
+    and moves subgroups off a path that slows down (contention), with hysteresis."""
     offload_alternate_order: bool = option(True, negate="--no-offload-alternate-order")
-    """Walk the subgroups ascending on one step and descending on the next, so each step
-    starts on the subgroups the previous one left in the host cache."""
+    """Walk the subgroups in ascending order on every step, so each step starts on
+    subgroups the previous one evicted from the host cache. Without this flag the order
+    alternates (ascending, then descending), so each step starts on the subgroups the
+    previous one left in the cache."""
     offload_delayed_grad_conversion: bool = option(
         True, negate="--no-offload-delayed-grad-conversion")
-    """Move gradients to the host in the training dtype and convert them to fp32 inside
-    their subgroup's update. Off: the whole shard's gradients are converted to fp32 first
-    and, for subgroups outside the cache, written to and read back from the tier (what
-    ZeRO-Infinity does)."""
+    """Convert the whole shard's gradients to fp32 before the update and, for subgroups
+    outside the host cache, write them to and read them back from the tier (what
+    ZeRO-Infinity does). Without this flag gradients move to the host in the training
+    dtype and are converted to fp32 inside their subgroup's update."""
     offload_concurrency_control: bool = option(True, negate="--no-offload-concurrency-control")
-    """Let one process of a node at a time do I/O on a given path (a node-local file lock
-    the kernel releases if its holder dies); threads within the process still share it."""
+    """Let every process of a node do I/O on a path at the same time. Without this flag
+    one process of a node at a time does I/O on a given path (a node-local file lock the
+    kernel releases if its holder dies); threads within the process still share it."""
     offload_io_threads: int = 4
     """Threads per file read or write."""
     offload_direct_io: bool = False

@@ -152,7 +152,7 @@ class Trainer:
                                             cfg.model.make_vocab_size_divisible_by, rt.tp)
         log.info("start-up: building the model")
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
-        log.info("start-up: building the optimizer (with its offload set-up, if any)")
+        log.info("start-up: building the optimizer")
         self.optimizer = build_optimizer(cfg, self.model, rt)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.timers = SyncTimers(self._synchronize, log_level=2, log_option="max")
