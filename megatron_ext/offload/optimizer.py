@@ -18,13 +18,17 @@ import torch
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine, ShardParam
 from megatron_ext.offload.jobdir import default_run_id
-from megatron_ext.offload.tiers import TierSpec, parse_tier_spec, probe_bandwidth
+from megatron_ext.offload.tiers import (
+    PROBE_REPEATS,
+    TierSpec,
+    parse_tier_spec,
+    probe_bandwidth,
+    probe_plan,
+)
 from megatron_ext.training.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )
-
-PROBE_MB = 64
 
 
 class OffloadedDistributedOptimizer(ShardedStateOptimizer):
@@ -116,13 +120,20 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
         probed = None
         if rank == 0:
             probed = {}
+            # As the engine moves data: one subgroup's file per pass, its chunk size, its
+            # threads, O_DIRECT as configured; the median of several passes.
+            size_mb, block_mb = probe_plan(cfg.offload_subgroup_size)
             for i in missing:
-                result = probe_bandwidth(specs[i].path, size_mb=PROBE_MB,
+                result = probe_bandwidth(specs[i].path, size_mb=size_mb, block_mb=block_mb,
                                          threads=cfg.offload_io_threads,
-                                         direct_io=cfg.offload_direct_io)
+                                         direct_io=cfg.offload_direct_io,
+                                         repeats=PROBE_REPEATS)
                 probed[i] = (result.read_gbps, result.write_gbps)
                 print(f" offload: probed {specs[i].path}: read {probed[i][0]:.2f} GB/s, "
-                      f"write {probed[i][1]:.2f} GB/s", flush=True)
+                      f"write {probed[i][1]:.2f} GB/s (median of {result.repeats} passes of "
+                      f"{result.size_mb} MiB, {cfg.offload_io_threads} threads, O_DIRECT "
+                      f"{'on' if result.direct_io_used else 'off'}; give DIR@READ,WRITE to "
+                      "skip the probe)", flush=True)
         probed = _broadcast(probed)
         for i, (read, write) in probed.items():
             specs[i].read_gbps, specs[i].write_gbps = read, write
