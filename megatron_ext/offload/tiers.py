@@ -200,9 +200,8 @@ class ProbeResult:
 
 
 # At most this many MiB per probe pass: the default subgroup (1.2 GB of state) would make
-# the start-up probe take longer than it is worth; 256 MiB is past the size where the
-# per-file costs (open, fsync) stop mattering on the NVMe and PFS paths measured.
-PROBE_MAX_MB = 256
+# the start-up probe (3 passes, each written and read) take longer than it is worth.
+PROBE_MAX_MB = 128
 PROBE_BLOCK_MB = 8  # the engine's chunk (io.MIN_CHUNK) for files up to 2 GiB
 PROBE_REPEATS = 3
 
@@ -215,7 +214,7 @@ def probe_plan(subgroup_size: int, bytes_per_element: int = 12) -> Tuple[int, in
     capped at PROBE_MAX_MB, so a run with tiny subgroups (the CPU tests) probes briefly.
 
     >>> probe_plan(100_000_000)
-    (256, 8)
+    (128, 8)
     >>> probe_plan(10_000)
     (1, 1)
     """

@@ -467,7 +467,7 @@ def test_check_free_space(tmp_path):
 
 
 @pytest.mark.parametrize("subgroup_size,plan", [
-    (100_000_000, (256, 8)),   # the default subgroup: capped
+    (100_000_000, (128, 8)),   # the default subgroup: capped
     (10_000_000, (115, 8)),    # 120 MB of state: one file of it, the engine's 8 MiB chunks
     (300_000, (4, 4)),         # 3.6 MB: one chunk, as the engine writes such a file
     (10_000, (1, 1)),          # the CPU tests' subgroups: a short probe
