@@ -11,6 +11,11 @@ benchmarks run on real-world data without a download. Two kinds:
   ``"for"``, ``"typesseq"``), one document per topic or per chunk of a topic; ``source``
   is the topic name. Another domain than the code of ``stdlib-python`` (prose, not
   source), e.g. for fine-tuning a model pretrained on the code.
+* ``--files GLOB [GLOB ...]`` (instead of ``--kind``): plain text files of your own, one
+  document per file (or per chunk of a file with ``--max-chars``); ``source`` is the path
+  as matched. Patterns are expanded by the tool (quote them; ``**`` matches directories
+  recursively), the matches sorted; files that are not UTF-8 or only whitespace are
+  skipped and counted.
 
 Output, one JSON object per line::
 
@@ -24,10 +29,12 @@ Example::
 
     python tools/build_corpus.py --output data/stdlib.jsonl --max-chars 8000
     python tools/build_corpus.py --kind pydoc-topics --output data/topics.jsonl --max-chars 4000
+    python tools/build_corpus.py --files 'books/**/*.txt' --output data/books.jsonl
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -111,6 +118,28 @@ def pydoc_topics() -> SourceTexts:
 
     return SourceTexts(origin=topics_module.__file__, unit="topics",
                        names=tuple(sorted(topics)), read=read)
+
+
+def text_files(patterns: Sequence[str]) -> SourceTexts:
+    """The regular files matching ``patterns`` (glob, ``**`` recursive), sorted, each once.
+
+    Raises:
+        ToolError: a pattern matches no regular file.
+    """
+    found = set()
+    for pattern in patterns:
+        matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matches:
+            raise ToolError(f"--files {pattern}: no file matches; quote the pattern so that "
+                            "the shell does not expand it, and check the path")
+        found.update(matches)
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as stream:
+            return stream.read()
+
+    return SourceTexts(origin=" ".join(patterns), unit="files", names=tuple(sorted(found)),
+                       read=read)
 
 
 # Each kind maps to a function that lists its texts; add a kind by adding an entry.
@@ -236,12 +265,16 @@ def build_parser() -> ToolArgumentParser:
     parser.add_argument("--output", required=True, metavar="PATH.jsonl",
                         help="where to write the corpus; its directory is created if missing. "
                              "Written to PATH.jsonl.tmp-PID first, then renamed.")
-    parser.add_argument("--kind", choices=sorted(KINDS), default="stdlib-python",
+    parser.add_argument("--files", nargs="+", metavar="GLOB", default=None,
+                        help="build the corpus from these text files instead of a --kind: "
+                             "one document per file (per chunk with --max-chars), source = "
+                             "the path; quote the patterns ('docs/**/*.txt': ** recurses)")
+    parser.add_argument("--kind", choices=sorted(KINDS), default=None,
                         help="which text to collect. stdlib-python: the .py files of the "
                              "standard library of this Python; pydoc-topics: the English "
                              "prose of the documentation topics of this Python's help() "
                              "(pydoc_data.topics), one document per topic, source = the "
-                             "topic name (default: %(default)s)")
+                             "topic name (default: stdlib-python)")
     parser.add_argument("--max-docs", type=positive_int, default=None, metavar="N",
                         help="stop after N documents (default: all)")
     parser.add_argument("--max-chars", type=positive_int, default=None, metavar="N",
@@ -265,9 +298,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.output.endswith(os.sep) or os.path.isdir(args.output):
         raise ToolError(f"--output {args.output} is a directory; give a file path such as "
                         f"{os.path.join(args.output, 'corpus.jsonl')}")
-    texts = KINDS[args.kind]()
+    if args.files and args.kind:
+        raise ToolError("--files and --kind are exclusive: give one source of text")
+    kind = "files" if args.files else args.kind or "stdlib-python"
+    texts = text_files(args.files) if args.files else KINDS[kind]()
     names = order_files(texts.names, args.seed)
-    log(f"build_corpus: kind {args.kind}, {len(names)} {texts.unit} from {texts.origin}")
+    log(f"build_corpus: kind {kind}, {len(names)} {texts.unit} from {texts.origin}")
 
     ensure_parent_dir(args.output)
     tmp_path = temporary_path(args.output)
@@ -284,7 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 if args.max_docs is not None and stats.documents >= args.max_docs:
                     break
         if stats.documents == 0:
-            raise ToolError(f"no documents found for --kind {args.kind} in {texts.origin}")
+            raise ToolError(f"no documents found for --kind {kind} in {texts.origin}")
         os.replace(tmp_path, args.output)
         done = True
     finally:

@@ -14,9 +14,11 @@ Panels, top to bottom, sharing the iteration axis:
   (``*_bg_s``, lines: busy time of threads that run alongside, e.g. the offload engine's
   I/O, which must not be stacked onto the phases), ``<p>/ratio`` (``*_rate``,
   ``*_ratio``, ``*_fraction`` or fields whose values all lie in [0, 1]),
-  ``<p>/bandwidth`` (``*_gbps``), ``<p>/memory`` (``*_gib``), ``<p>/rate`` (``*_per_s``)
-  and ``<p>/values`` (anything else). New fields of those features therefore show up
-  without changing this tool.
+  ``<p>/bandwidth`` (``*_gbps``), ``<p>/memory`` (``*_gib``), ``<p>/rate`` (``*_per_s``),
+  ``<p>/bytes`` (``*_bytes``: bytes moved per iteration, on an axis in B, KB, MB or GB
+  as their size asks) and ``<p>/values`` (anything else: counts and plain numbers such as
+  subgroups per path or ZenFlow's S, never on the axis of the bytes). New fields of those
+  features therefore show up without changing this tool.
 
 Each training record is the mean over its logging interval, so with ``--log-interval N``
 a bar spans the N iterations it averages. When a resumed run appended iterations that the
@@ -65,12 +67,15 @@ FEATURE_PREFIXES = ("offload/", "zenflow/")
 # Kinds of feature fields by name suffix, the first match wins (so "_per_s" before "_s").
 # Ratios are also recognised by their values (see classify_field).
 _SUFFIX_KINDS = (("_per_s", "rate"), ("_gbps", "bandwidth"), ("_gib", "memory"),
+                 ("_bytes", "bytes"),
                  ("_bg_s", "background"), ("_s", "time"), ("_rate", "ratio"),
                  ("_ratio", "ratio"), ("_fraction", "ratio"))
-_KIND_ORDER = ("time", "background", "ratio", "bandwidth", "memory", "rate", "values")
+_KIND_ORDER = ("time", "background", "ratio", "bandwidth", "memory", "rate", "bytes",
+               "values")
 _KIND_YLABEL = {"time": "time per iteration ({unit})",
                 "background": "busy time per iteration (s)", "ratio": "ratio (0-1)",
-                "bandwidth": "GB/s", "memory": "GiB", "rate": "per second", "values": "value"}
+                "bandwidth": "GB/s", "memory": "GiB", "rate": "per second",
+                "bytes": "bytes per iteration ({unit})", "values": "count or value"}
 # Above this many records a stacked area replaces the stacked bars (faster, and bars
 # would be thinner than a pixel anyway).
 _MAX_BARS = 300
@@ -232,7 +237,7 @@ def feature_panels(train: Sequence[dict], prefix: str) -> List[Panel]:
             name=f"{feature}/{kind}", title=f"{feature}: {kind}",
             kind="stacked" if kind == "time" else "lines", ylabel=_KIND_YLABEL[kind],
             series=groups[kind], ylim=(0.0, 1.05) if kind == "ratio" else None,
-            from_zero=kind in ("bandwidth", "memory", "rate")))
+            from_zero=kind in ("bandwidth", "memory", "rate", "bytes", "values")))
     return panels
 
 
@@ -365,12 +370,25 @@ def _draw_stacked(ax, train, panel, colors):
     ax.set_ylim(bottom=0)
 
 
-def _draw_lines(ax, records_for, series_list, colors):
+def bytes_unit(values: Sequence[float]) -> Tuple[float, str]:
+    """(divisor, unit) for an axis of byte counts: the largest unit its maximum reaches.
+
+    >>> bytes_unit([3e9, 1e6])
+    (1000000000.0, 'GB')
+    """
+    top = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+    for divisor, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+        if top >= divisor:
+            return divisor, unit
+    return 1.0, "B"
+
+
+def _draw_lines(ax, records_for, series_list, colors, divisor: float = 1.0):
     """Draws one line per series (its finite points only); returns the line handles."""
     handles = []
     for series, color in zip(series_list, colors):
         records = records_for(series.key)
-        points = [(r["iteration"], number(r.get(series.key))) for r in records]
+        points = [(r["iteration"], number(r.get(series.key)) / divisor) for r in records]
         points = [(x, y) for x, y in points if math.isfinite(y)]
         if not points:
             continue
@@ -425,8 +443,12 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
             _draw_stacked(ax, train, panel, palette)
             handles, labels = ax.get_legend_handles_labels()
         else:
-            handles = _draw_lines(ax, records_for, panel.series, palette)
-            ax.set_ylabel(panel.ylabel)
+            divisor, unit = 1.0, ""
+            if "{unit}" in panel.ylabel:  # bytes: the unit their size asks for
+                divisor, unit = bytes_unit([v for s in panel.series
+                                            for v in column(records_for(s.key), s.key)])
+            handles = _draw_lines(ax, records_for, panel.series, palette, divisor)
+            ax.set_ylabel(panel.ylabel.format(unit=unit))
             if panel.ylim:
                 ax.set_ylim(*panel.ylim)
             elif panel.from_zero and handles:

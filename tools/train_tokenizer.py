@@ -30,6 +30,7 @@ import io
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -177,7 +178,8 @@ def trainer_options(args) -> dict:
         input_sentence_size=0,
         shuffle_input_sentence=False,
         max_sentence_length=args.max_sentence_length,
-        minloglevel=2 if args.quiet else 0,
+        # SentencePiece logs ~400 lines of INFO per model: only with --verbose.
+        minloglevel=0 if args.verbose else 1,
     )
 
 
@@ -253,8 +255,13 @@ def build_parser() -> ToolArgumentParser:
                         help="trainer threads; a unigram model depends on it, so pass the "
                              "same value to reproduce one (default: the CPU count, at most "
                              "16: %(default)s)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show SentencePiece's own progress log (hundreds of lines); "
+                             "without it, this tool's progress lines and SentencePiece's "
+                             "warnings only")
     parser.add_argument("--quiet", action="store_true",
-                        help="hide SentencePiece's own progress log (warnings still show)")
+                        help="the default now (SentencePiece's log hidden); kept for scripts "
+                             "that pass it; exclusive with --verbose")
     return parser
 
 
@@ -271,6 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         check_input_file(path, "--input")
     if not 0.0 < args.character_coverage <= 1.0:
         raise ToolError(f"--character-coverage {args.character_coverage}: must be in (0, 1]")
+    if args.quiet and args.verbose:
+        raise ToolError("--quiet and --verbose are exclusive")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ToolError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
 
@@ -290,6 +299,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise ToolError(f"--output-prefix {args.output_prefix}: {path} is a directory")
     ensure_parent_dir(model_path)
 
+    log(f"train_tokenizer: training a {args.model_type} model of {args.vocab_size} pieces on "
+        f"{len(lines)} lines with {args.num_threads} threads"
+        f"{'' if args.verbose else ' (SentencePiece log: --verbose)'}")
+    started = time.perf_counter()
     buffer = io.BytesIO()
     try:
         sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines),
@@ -314,9 +327,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             remove_quietly([tmp_model, tmp_vocab])
 
     model = sentencepiece.SentencePieceProcessor(model_proto=proto)
-    log(f"train_tokenizer: wrote {model_path} and {vocab_path}: {model.vocab_size()} pieces "
-        f"({args.model_type}), unk={model.unk_id()} bos={model.bos_id()} "
-        f"eos/EOD={model.eos_id()} pad={model.pad_id()}")
+    log(f"train_tokenizer: trained in {time.perf_counter() - started:.1f} s; wrote {model_path} "
+        f"and {vocab_path}: {model.vocab_size()} pieces ({args.model_type}), "
+        f"unk={model.unk_id()} bos={model.bos_id()} eos/EOD={model.eos_id()} "
+        f"pad={model.pad_id()}")
 
 
 if __name__ == "__main__":

@@ -46,13 +46,26 @@ def _flag(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: ...)" to help, except on ``--no-...`` switches.
+
+    Their help says what giving them does; "(default: True)" would describe the feature
+    they turn off, not the switch.
+    """
+
+    def _get_help_string(self, action):
+        if isinstance(action, argparse._StoreFalseAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """Builds the parser of pretrain_gpt.py from the config dataclasses."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Pretrain a GPT on megatron-core (see README.md). Flags with Megatron-LM "
         "names keep Megatron-LM's meanings.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
     for section_name, section_cls in _sections():

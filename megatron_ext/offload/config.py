@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from megatron_ext.config.fields import option
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.jobdir import check_run_id
 
 
 @dataclasses.dataclass
@@ -44,20 +45,24 @@ class OffloadConfig:
     """How subgroups are spread over --offload-paths: bandwidth (each path's share of bytes
     proportional to its bandwidth, interleaved; MLP-Offload's rule) or round-robin."""
     offload_rebalance: bool = option(True, negate="--no-offload-rebalance")
-    """Track each path's observed throughput every step and move subgroups off a path
-    that slows down (contention), with hysteresis."""
+    """Keep every subgroup on the path it was placed on at start, even when a path slows
+    down. Without this flag the engine tracks each path's observed throughput every step
+    and moves subgroups off a path that slows down (contention), with hysteresis."""
     offload_alternate_order: bool = option(True, negate="--no-offload-alternate-order")
-    """Walk the subgroups ascending on one step and descending on the next, so each step
-    starts on the subgroups the previous one left in the host cache."""
+    """Walk the subgroups in ascending order on every step, so each step starts on
+    subgroups the previous one evicted from the host cache. Without this flag the order
+    alternates (ascending, then descending), so each step starts on the subgroups the
+    previous one left in the cache."""
     offload_delayed_grad_conversion: bool = option(
         True, negate="--no-offload-delayed-grad-conversion")
-    """Move gradients to the host in the training dtype and convert them to fp32 inside
-    their subgroup's update. Off: the whole shard's gradients are converted to fp32 first
-    and, for subgroups outside the cache, written to and read back from the tier (what
-    ZeRO-Infinity does)."""
+    """Convert the whole shard's gradients to fp32 before the update and, for subgroups
+    outside the host cache, write them to and read them back from the tier (what
+    ZeRO-Infinity does). Without this flag gradients move to the host in the training
+    dtype and are converted to fp32 inside their subgroup's update."""
     offload_concurrency_control: bool = option(True, negate="--no-offload-concurrency-control")
-    """Let one process of a node at a time do I/O on a given path (a node-local file lock
-    the kernel releases if its holder dies); threads within the process still share it."""
+    """Let every process of a node do I/O on a path at the same time. Without this flag
+    one process of a node at a time does I/O on a given path (a node-local file lock the
+    kernel releases if its holder dies); threads within the process still share it."""
     offload_io_threads: int = 4
     """Threads per file read or write."""
     offload_direct_io: bool = False
@@ -66,8 +71,9 @@ class OffloadConfig:
     offload_checksum: str = option("xxh3", choices=("xxh3", "crc32c", "none"))
     """Checksum written with each state file and verified on every read."""
     offload_run_id: Optional[str] = None
-    """Name of this job's directory under each path. Default: the Slurm job id, else
-    torchrun's run id, else a fresh id."""
+    """Name of this job's directory under each path: one directory name of letters, digits,
+    '.', '_' and '-'. Default: the Slurm job id, else torchrun's run id, else a fresh id.
+    One job at a time may use a run id (a second one refuses to start)."""
 
     def __post_init__(self):
         if self.offload_subgroup_size <= 0:
@@ -76,6 +82,8 @@ class OffloadConfig:
             raise UsageError("--offload-io-threads must be positive")
         if self.offload_host_cache_gb is not None and self.offload_host_cache_gb <= 0:
             raise UsageError("--offload-host-cache-gb must be positive")
+        if self.offload_run_id is not None:
+            check_run_id(self.offload_run_id)
         if not self.offload_optimizer:
             changed = [f.name for f in dataclasses.fields(self) if f.name != "offload_optimizer"
                        and getattr(self, f.name) != (

@@ -44,6 +44,7 @@ from megatron_ext.offload.io import (
     aligned_empty,
     secure_makedirs,
 )
+from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.locks import NodeLocks
 from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
 from megatron_ext.offload.tiers import (
@@ -158,10 +159,9 @@ class OffloadEngine:
         # One I/O operation per path at a time on this node (its threads inside it).
         self.locks = NodeLocks(enabled=cfg.offload_concurrency_control)
         self._lock_wait_seen = 0.0
-        self.rank_dirs = [os.path.join(t.path, f"megatron_ext-{_user()}", run_id,
-                                       f"rank{rank:05d}") for t in self.tiers]
-        for directory in self.rank_dirs:
-            self._prepare_rank_dir(directory)
+        # DIR/megatron_ext-USER/JOB/rankNNNNN per path: checked, locked (see jobdir.py).
+        self.jobdirs = JobDirs([t.path for t in self.tiers], run_id, rank)
+        self.rank_dirs = self.jobdirs.rank_dirs
         self._bad_paths: set = set()
         self.capacity = self._cache_capacity()
         # Bytes of each subgroup's state file payload.
@@ -205,14 +205,6 @@ class OffloadEngine:
             self._out_events = [None, None]
 
     # ----------------------------------------------------------------- setup helpers
-
-    def _prepare_rank_dir(self, directory: str) -> None:
-        secure_makedirs(directory)
-        # A requeued job of the same id finds its previous incarnation's files: the state
-        # comes from the checkpoint, so they are stale.
-        for name in os.listdir(directory):
-            if name.startswith("sg") or name.startswith(".sg"):
-                os.unlink(os.path.join(directory, name))
 
     def _cache_capacity(self) -> Optional[int]:
         cfg = self.cfg
@@ -846,11 +838,7 @@ class OffloadEngine:
             self.wait_io()
         self._io_pool.shutdown(wait=True)
         self._flush_pool.shutdown(wait=True)
-        if remove_files:
-            for directory in self.rank_dirs:
-                shutil.rmtree(directory, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.dirname(directory))
+        self.jobdirs.close(remove=remove_files)
         self.locks.close()
 
 
@@ -858,15 +846,6 @@ def _gb(nbytes: float) -> str:
     """Bytes as GB for messages: two decimals, or three significant digits below 0.01."""
     value = nbytes / 1e9
     return f"{value:.2f}" if value >= 0.01 else f"{value:.3g}"
-
-
-def _user() -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError):
-        return str(os.getuid())
 
 
 def _write_json_atomic(path: str, data: dict) -> None:

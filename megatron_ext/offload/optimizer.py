@@ -11,21 +11,24 @@ training dtype.
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from typing import Dict, List
 
 import torch
 
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine, ShardParam
-from megatron_ext.offload.tiers import TierSpec, parse_tier_spec, probe_bandwidth
+from megatron_ext.offload.jobdir import default_run_id
+from megatron_ext.offload.tiers import (
+    PROBE_REPEATS,
+    TierSpec,
+    parse_tier_spec,
+    probe_bandwidth,
+    probe_plan,
+)
 from megatron_ext.training.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )
-
-PROBE_MB = 64
 
 
 class OffloadedDistributedOptimizer(ShardedStateOptimizer):
@@ -106,13 +109,7 @@ def _broadcast(value):
 
 
 def _run_id(cfg: OffloadConfig) -> str:
-    if cfg.offload_run_id:
-        return cfg.offload_run_id
-    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(name)
-        if value and value != "none":
-            return f"{name.split('_')[0].lower()}-{value}"
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    return cfg.offload_run_id or default_run_id(os.environ)
 
 
 def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
@@ -123,13 +120,20 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
         probed = None
         if rank == 0:
             probed = {}
+            # As the engine moves data: one subgroup's file per pass, its chunk size, its
+            # threads, O_DIRECT as configured; the median of several passes.
+            size_mb, block_mb = probe_plan(cfg.offload_subgroup_size)
             for i in missing:
-                result = probe_bandwidth(specs[i].path, size_mb=PROBE_MB,
+                result = probe_bandwidth(specs[i].path, size_mb=size_mb, block_mb=block_mb,
                                          threads=cfg.offload_io_threads,
-                                         direct_io=cfg.offload_direct_io)
+                                         direct_io=cfg.offload_direct_io,
+                                         repeats=PROBE_REPEATS)
                 probed[i] = (result.read_gbps, result.write_gbps)
                 print(f" offload: probed {specs[i].path}: read {probed[i][0]:.2f} GB/s, "
-                      f"write {probed[i][1]:.2f} GB/s", flush=True)
+                      f"write {probed[i][1]:.2f} GB/s (median of {result.repeats} passes of "
+                      f"{result.size_mb} MiB, {cfg.offload_io_threads} threads, O_DIRECT "
+                      f"{'on' if result.direct_io_used else 'off'}; give DIR@READ,WRITE to "
+                      "skip the probe)", flush=True)
         probed = _broadcast(probed)
         for i, (read, write) in probed.items():
             specs[i].read_gbps, specs[i].write_gbps = read, write
@@ -138,7 +142,8 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
 
 def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:
     """(run id, tier specs with bandwidths): the same on every rank (collective call)."""
-    run_id = _broadcast(_run_id(cfg) if rank == 0 else None)
+    own = _run_id(cfg)  # every rank checks the environment's id: all refuse alike
+    run_id = _broadcast(own if rank == 0 else None)
     return run_id, resolve_tiers(cfg, rank)
 
 

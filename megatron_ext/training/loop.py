@@ -20,9 +20,11 @@ from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import (
+    EtaClock,
     MetricsWriter,
     Stopwatch,
     ToHost,
+    dir_size_text,
     format_line,
     maybe_float,
     memory_stats,
@@ -144,16 +146,20 @@ class Trainer:
         _setup_logging(rt.rank)
         tokenizer = build_tokenizer(cfg.data)
         load_dir = ckpt.resolve_load_dir(cfg)
+        log.info("start-up: building the datasets")
         self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                             cfg.model.make_vocab_size_divisible_by, rt.tp)
+        log.info("start-up: building the model")
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
+        log.info("start-up: building the optimizer")
         self.optimizer = build_optimizer(cfg, self.model, rt)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.timers = SyncTimers(self._synchronize, log_level=2, log_option="max")
         self._wire_megatron_hooks(finalize_model_grads)
         self.state = ckpt.TrainState()
         if load_dir:
+            log.info("start-up: loading checkpoint %s (%s)", load_dir, dir_size_text(load_dir))
             self.state = ckpt.load_checkpoint(load_dir, self.model, self.optimizer,
                                               self.scheduler, cfg, rt)
             log.info("loaded %s (iteration %d, %d samples consumed)", load_dir,
@@ -308,6 +314,7 @@ class Trainer:
         }
         record.update(optimizer_metrics(self.optimizer))
         record.update(memory_stats(rt))
+        record["time/eta_s"] = self.eta.add(iters, elapsed, self.state.iteration)
         if rt.rank == 0:
             print(format_line(record, cfg.training.train_iters), flush=True)
         self.writer.write(record)
@@ -324,6 +331,9 @@ class Trainer:
         t_fb = t_opt = 0.0
         window = Stopwatch()
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
+        self.eta = EtaClock(train.train_iters)
+        log.info("start-up: done; training from iteration %d (the first iterations include "
+                 "warm-up)", self.state.iteration + 1)
         with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
                 it = self.state.iteration + 1

@@ -5,6 +5,7 @@ Only rank 0 writes. Names carry their units (``time/forward_s``, ``memory/gpu_ma
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -111,7 +112,75 @@ def format_line(record: dict, train_iters: int) -> str:
     parts.append(f"breakdown (ms): {breakdown}")
     if "offload/cache_hit_rate" in record:
         parts.append(_offload_summary(record))
+    parts += [section for section in map(functools.partial(_section, record), LINE_SECTIONS)
+              if section]
+    if record.get("time/eta_s") is not None:
+        parts.append(f"ETA {eta_text(record['time/eta_s'])}")
     return " | ".join(parts) + " |"
+
+
+# What an optimizer's own metrics put on the stdout line, after the loop's fields: one
+# section per metric prefix, shown when the record has that prefix's metrics. A mode
+# that reports ``PREFIX/*`` metrics (its optimizer's metrics()) adds a row here; the loop
+# itself names no mode. Rows: (prefix, [(metric, label, format)]), "ms" formats seconds.
+LINE_SECTIONS = [
+    ("zenflow", [("rho", "rho", ".3f"), ("update_interval", "S", ".0f"),
+                 ("stall_s", "stall (ms)", "ms"), ("selected_ratio", "selected", ".1%")]),
+]
+
+
+def _section(record: dict, row) -> str:
+    prefix, fields = row
+    shown = []
+    for metric, label, spec in fields:
+        value = record.get(f"{prefix}/{metric}")
+        if value is None:
+            continue
+        text = f"{value * 1000:.1f}" if spec == "ms" else format(value, spec)
+        shown.append(f"{label} {text}")
+    return f"{prefix}: " + " ".join(shown) if shown else ""
+
+
+def eta_text(seconds: float) -> str:
+    """``hh:mm:ss`` (hours past 99 as they are)."""
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class EtaClock:
+    """Time left to --train-iters from the mean iteration time of this run so far.
+
+    Evaluation and checkpoint time are not iterations (the loop times them apart); the
+    first iterations' warm-up is in the mean, so early estimates run high.
+    """
+
+    def __init__(self, train_iters: int):
+        self.train_iters = train_iters
+        self.iterations = 0
+        self.seconds = 0.0
+
+    def add(self, iterations: int, seconds: float, iteration: int) -> float:
+        """Counts ``iterations`` more, taking ``seconds``.
+
+        Returns:
+            the estimated seconds left after ``iteration``.
+        """
+        self.iterations += iterations
+        self.seconds += seconds
+        mean = self.seconds / max(1, self.iterations)
+        return mean * max(0, self.train_iters - iteration)
+
+
+def dir_size_text(path: str) -> str:
+    """The bytes of the files under ``path``, in words (for start-up log lines)."""
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                continue
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
 
 
 def _offload_summary(record: dict) -> str:

@@ -116,6 +116,14 @@ CASES = {
     "zenflow resume of an offload checkpoint": (
         lambda d: MOCK + ZENFLOW + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
         "saved by --offload-optimizer and this run uses --zenflow"),
+    "offload run id an absolute path": (
+        lambda d: MOCK + OFFLOAD + ["--offload-run-id", f"{d}/elsewhere"],
+        "a run id is one directory name"),
+    "offload run id climbs out": (lambda d: MOCK + OFFLOAD + ["--offload-run-id", "../../x"],
+                                  "--offload-run-id '../../x': a run id is one directory name"),
+    "offload directory a planted symlink": (
+        lambda d: MOCK + OFFLOAD + ["--offload-paths", _planted_offload_path(d) + "@1,1"],
+        "is a symlink: refusing to follow it"),
 }
 
 
@@ -143,16 +151,33 @@ ENV_CASES = {
                                    "are not available to this process"),
     "step sync not a mode": ({"MEGATRON_EXT_STEP_SYNC": "sometimes"},
                              "MEGATRON_EXT_STEP_SYNC=sometimes: give stream"),
+    # (env, expected, flags instead of ZENFLOW's)
+    "offload run id from torchrun climbs out": (
+        {"SLURM_JOB_ID": "", "TORCHELASTIC_RUN_ID": "../../etc"},
+        "TORCHELASTIC_RUN_ID '../../etc': a run id is one directory name", MOCK + OFFLOAD),
 }
 
 
 @pytest.mark.parametrize("case", sorted(ENV_CASES))
 def test_bad_environment_gives_one_line(case):
-    env, expected = ENV_CASES[case]
-    proc = subprocess.run([sys.executable, PRETRAIN, *BASE, *MOCK, *ZENFLOW], cwd=ROOT,
+    env, expected, *flags = ENV_CASES[case]
+    proc = subprocess.run([sys.executable, PRETRAIN, *BASE, *(flags[0] if flags else
+                                                              MOCK + ZENFLOW)], cwd=ROOT,
                           env=test_env(env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert expected in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _planted_offload_path(d) -> str:
+    """An offload path whose megatron_ext-USER is someone's symlink to a directory of theirs."""
+    from megatron_ext.offload.jobdir import user_name
+
+    path = d / "planted"
+    if not path.exists():
+        path.mkdir()
+        (d / "decoy").mkdir()
+        (path / f"megatron_ext-{user_name()}").symlink_to(d / "decoy")
+    return str(path)

@@ -378,3 +378,29 @@ def test_finetune_zenflow_refuses_a_missing_pretrained_checkpoint(case, tmp_path
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "error: PRETRAINED" in lines[0], result.stderr
     assert not (tmp_path / "checkpoints").exists(), "it went on after the error"
+
+
+OUTSIDE_SLURM = {
+    "pretrain_gpt.sbatch": "bash examples/slurm/smoke_local.sh",
+    "finetune_zenflow.sbatch": "DEVICE=cpu",
+    "pretrain_gpt_multinode.sbatch": "smoke_local.sh",
+}
+
+
+@pytest.mark.parametrize("script", sorted(OUTSIDE_SLURM))
+def test_job_script_outside_slurm_without_gpu_says_what_to_do(script, tmp_path):
+    """No Slurm needed: plain bash, no SLURM_* variables, the default DEVICE (cuda) on a
+    machine without a GPU. One line says what to do; no training process starts."""
+    if list(Path("/dev").glob("nvidia[0-9]*")):
+        pytest.skip("this machine has a GPU: the scripts run under plain bash there")
+    env = job_env(tmp_path)
+    del env["DEVICE"], env["NPROC"]
+    env["PRETRAINED"] = str(tmp_path)  # past finetune_zenflow's own check, if it came first
+    result = subprocess.run(["bash", str(SLURM_DIR / script)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "error: " in lines[0] and OUTSIDE_SLURM[script] in lines[0], lines[0]
+    assert "torch.distributed.run" not in result.stdout, "it started the training processes"
+    assert not (tmp_path / "checkpoints").exists()

@@ -148,3 +148,54 @@ def test_bad_flags(tmp_path, args, expected):
 
 def test_output_that_is_a_directory_is_rejected(tmp_path):
     assert_usage_error(run_tool("build_corpus.py", "--output", tmp_path), "is a directory")
+
+
+def test_files_mode_round_trips_each_file(tmp_path):
+    """--files: one document per text file, its text byte for byte (CRLF and non-ASCII
+    kept), sorted by path; blank and non-UTF-8 files are skipped and counted."""
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    texts = {
+        docs / "a.txt": "First document.\nSecond line.\n",
+        docs / "sub" / "b.txt": "Windows line ends\r\nand ümlauts, “quotes”\r\n",
+        docs / "sub" / "c.txt": "no newline at the end",
+    }
+    for path, text in texts.items():
+        path.write_bytes(text.encode("utf-8"))
+    (docs / "blank.txt").write_text("  \n\n")
+    (docs / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (docs / "skip.md").write_text("not matched")
+    out = tmp_path / "files.jsonl"
+    run = run_tool("build_corpus.py", "--files", f"{docs}/**/*.txt", "--output", out)
+    assert_ok(run)
+    records = _read_jsonl(out)
+    assert [r["source"] for r in records] == sorted(str(p) for p in texts)
+    assert {r["source"]: r["text"] for r in records} == {str(p): t for p, t in texts.items()}
+    assert all(r["chunk"] == 0 for r in records)
+    assert "skipped 1 non-UTF-8 and 1 blank files" in run.stderr
+
+
+def test_files_mode_chunks_rebuild_the_file(tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text("".join(f"line {i} of a long text file\n" for i in range(200)))
+    out = tmp_path / "c.jsonl"
+    assert_ok(run_tool("build_corpus.py", "--files", path, "--max-chars", 500, "--output", out))
+    records = _read_jsonl(out)
+    assert len(records) > 1 and all(len(r["text"]) <= 500 for r in records)
+    assert "".join(r["text"] for r in records) == path.read_text()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--files", "/no/such/dir/*.txt"], "--files /no/such/dir/*.txt: no file matches"),
+    (["--files", "/no/such/dir/a.txt", "/also/missing"], "no file matches"),
+])
+def test_files_mode_bad_input(tmp_path, args, expected):
+    assert_usage_error(run_tool("build_corpus.py", "--output", tmp_path / "c.jsonl", *args),
+                       expected)
+
+
+def test_files_and_kind_are_exclusive(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    run = run_tool("build_corpus.py", "--output", tmp_path / "c.jsonl", "--files",
+                   tmp_path / "a.txt", "--kind", "pydoc-topics")
+    assert_usage_error(run, "--files and --kind are exclusive")

@@ -130,6 +130,8 @@ def test_feature_fields_are_grouped_by_unit():
     ("zenflow/rho", [0.0, 0.25], "ratio"),
     ("offload/bytes_moved", [0.5, 3e9], "values"),
     ("offload/cache_hits", [math.nan], "values"),
+    ("offload/io_bytes", [0.5, 3e9], "bytes"),
+    ("zenflow/d2h_bytes", [2.3e9], "bytes"),
 ])
 def test_classify_field(key, values, kind):
     assert classify_field(key, values) == kind
@@ -230,3 +232,30 @@ def test_unsupported_output_format_is_a_usage_error(tmp_path):
 def test_plot_without_training_records_raises():
     with pytest.raises(plot_breakdown.ToolError, match="no training records"):
         plot([{"iteration": 5, "eval/lm_loss": 3.0}], "unused.png")
+
+
+def test_counts_and_bytes_get_axes_of_their_own():
+    """What the engines report per iteration: bytes moved (GB-sized) and counts
+    (subgroups per path, ZenFlow's S) never share an axis."""
+    records = synthetic_records(offload=True, zenflow=True)
+    for record in records:
+        record.update({"offload/io_bytes": 3.1e9, "offload/path0_subgroups": 6.0,
+                       "zenflow/d2h_bytes": 2.3e9, "zenflow/h2d_bytes": 4.0e8,
+                       "zenflow/update_interval": 4.0})
+    train, evals = split_records(records)
+    panels = {p.name: p for p in plan_panels(train, evals)}
+    keys = lambda name: sorted(s.key for s in panels[name].series)  # noqa: E731
+    assert keys("offload/bytes") == ["offload/io_bytes"]
+    assert keys("offload/values") == ["offload/path0_subgroups"]
+    assert keys("zenflow/bytes") == ["zenflow/d2h_bytes", "zenflow/h2d_bytes"]
+    assert keys("zenflow/values") == ["zenflow/update_interval"]
+    assert panels["offload/bytes"].ylabel.format(unit="GB") == "bytes per iteration (GB)"
+    assert "bytes" not in panels["offload/values"].ylabel
+
+
+@pytest.mark.parametrize("values,expected", [
+    ([3.1e9, 1.0], (1e9, "GB")), ([4.0e8], (1e6, "MB")), ([2048.0], (1e3, "KB")),
+    ([12.0, math.nan], (1.0, "B")), ([], (1.0, "B")),
+])
+def test_bytes_unit(values, expected):
+    assert plot_breakdown.bytes_unit(values) == expected

@@ -125,3 +125,25 @@ def test_missing_input(tmp_path):
     run = run_tool("train_tokenizer.py", "--input", tmp_path / "nope.jsonl", "--output-prefix",
                    tmp_path / "m")
     assert_usage_error(run, "nope.jsonl: file not found")
+
+
+def test_quiet_by_default_with_progress_lines_and_verbose_brings_the_log_back(tmp_path,
+                                                                               small_corpus):
+    base = ["--input", small_corpus, "--vocab-size", TINY_VOCAB, "--num-threads", 1]
+    quiet = run_tool("train_tokenizer.py", *base, "--output-prefix", tmp_path / "q")
+    assert_ok(quiet)
+    lines = (quiet.stdout + quiet.stderr).strip().splitlines()
+    assert len(lines) <= 4, lines
+    assert any("train_tokenizer: training a bpe model" in line for line in lines), lines
+    assert any("trained in" in line for line in lines), lines
+    verbose = run_tool("train_tokenizer.py", *base, "--output-prefix", tmp_path / "v",
+                       "--verbose")
+    assert_ok(verbose)
+    assert len((verbose.stdout + verbose.stderr).splitlines()) > 50
+    assert (tmp_path / "q.model").read_bytes() == (tmp_path / "v.model").read_bytes()
+
+
+def test_quiet_and_verbose_are_exclusive(tmp_path, small_corpus):
+    run = run_tool("train_tokenizer.py", "--input", small_corpus, "--output-prefix",
+                   tmp_path / "m", "--quiet", "--verbose")
+    assert_usage_error(run, "--quiet and --verbose are exclusive")

@@ -464,3 +464,32 @@ def test_check_free_space(tmp_path):
         check_free_space(str(tmp_path), 10**21)
     with pytest.raises(UsageError, match="directory not found"):
         check_free_space(str(tmp_path / "missing"), 1)
+
+
+@pytest.mark.parametrize("subgroup_size,plan", [
+    (100_000_000, (128, 8)),   # the default subgroup: capped
+    (10_000_000, (115, 8)),    # 120 MB of state: one file of it, the engine's 8 MiB chunks
+    (300_000, (4, 4)),         # 3.6 MB: one chunk, as the engine writes such a file
+    (10_000, (1, 1)),          # the CPU tests' subgroups: a short probe
+])
+def test_probe_plan_follows_the_engine_transfer(subgroup_size, plan):
+    assert tiers.probe_plan(subgroup_size) == plan
+
+
+def test_probe_reports_the_median_of_its_passes(tmp_path, monkeypatch):
+    passes = iter([(1.0, 4.0), (9.0, 1.0), (2.0, 2.0)])  # (write s, read s), one outlier each
+    monkeypatch.setattr(tiers, "_probe_fd", lambda *args: next(passes))
+    result = probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=2, repeats=3)
+    assert result.repeats == 3
+    assert result.write_gbps == pytest.approx(2 * 2**20 / 1e9 / 2.0)
+    assert result.read_gbps == pytest.approx(2 * 2**20 / 1e9 / 2.0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_probe_repeats_really_move_the_bytes(tmp_path, monkeypatch):
+    written = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(tiers.os, "pwrite", lambda fd, data, offset: written.append(
+        len(data)) or real_pwrite(fd, data, offset))
+    probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=2, repeats=3)
+    assert sum(written) == 3 * 2 * 2**20
