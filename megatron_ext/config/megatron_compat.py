@@ -69,3 +69,54 @@ def did_you_mean(flag: str, known: Iterable[str]) -> str:
     name = flag.split("=", 1)[0]
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
     return f" (did you mean {close[0]}?)" if close else ""
+
+
+# Flags that Megatron-LM has too, and what differs here ("" = as Megatron-LM: same name,
+# meaning and default). A flag of the parser that is in neither table is this project's.
+SAME = ""
+MEGATRON_LM = {
+    **{flag: SAME for flag in """
+--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length
+--max-position-embeddings --kv-channels --norm-epsilon --swiglu --rotary-base --rotary-percent
+--apply-layernorm-1p --qk-layernorm
+--add-qkv-bias --attention-softmax-in-fp32 --untie-embeddings-and-output-weights
+--disable-bias-linear --group-query-attention --num-query-groups --hidden-dropout
+--attention-dropout --init-method-std --make-vocab-size-divisible-by --recompute-granularity
+--recompute-method --recompute-num-layers --tensor-model-parallel-size
+--pipeline-model-parallel-size --use-distributed-optimizer --overlap-grad-reduce
+--overlap-param-gather --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16
+--sequence-parallel --ddp-bucket-size --distributed-timeout-minutes --micro-batch-size
+--global-batch-size --train-iters --exit-interval --exit-duration-in-mins --manual-gc
+--manual-gc-interval --no-manual-gc-eval --calculate-per-token-loss --seed --bf16 --fp16
+--loss-scale --initial-loss-scale --eval-interval --eval-iters --log-interval --optimizer --lr
+--min-lr --lr-decay-style --lr-warmup-iters --lr-decay-iters --decoupled-lr --decoupled-min-lr
+--weight-decay --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum --clip-grad
+--optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
+--data-path --split --mock-data --tokenizer-model --vocab-size --eod-mask-loss --num-workers
+--no-mmap-bin-files --data-cache-path --load --finetune --no-load-optim --no-load-rng
+--dist-ckpt-strictness --wandb-project --wandb-exp-name --wandb-save-dir --log-params-norm
+--log-num-zeros-in-grad --timing-log-level --profile --profile-step-start --profile-step-end
+--profile-ranks --empty-unused-memory-level --deterministic-mode
+""".split()},
+    "--normalization": "LayerNorm and RMSNorm (no L2Norm)",
+    "--position-embedding-type": "learned_absolute and rope only (no mrope, yarn, relative, "
+                                 "none)",
+    "--transformer-impl": "without Transformer Engine installed: local, with one log line",
+    "--attention-backend": "without Transformer Engine: the same attention from SDPA or "
+                           "megatron-core's DotProductAttention, with one log line; adds sdpa",
+    "--cross-entropy-loss-fusion": "fused on the GPU only; the CPU computes the same loss "
+                                   "unfused",
+    "--no-gradient-accumulation-fusion": "never fused here: same gradients either way",
+    "--no-masked-softmax-fusion": "never fused here: same math either way",
+    "--no-create-attention-mask-in-dataloader": "never created here (causal attention by "
+                                                "construction): same math either way",
+    "--use-mcore-models": "deprecated and ignored there too: always megatron-core's GPTModel",
+    "--context-parallel-size": "only 1 (needs Transformer Engine's attention)",
+    "--distributed-backend": "gloo with --device cpu; nccl only on GPUs",
+    "--ckpt-format": "torch_dist only (the default there)",
+    "--save": "--save-interval is optional: without it, saves at the end of training",
+    "--save-interval": "optional with --save (required there)",
+    "--log-throughput": "TFLOP/s from the 6N estimate, not Megatron-LM's per-layer FLOP count",
+    "--tokenizer-type": "SentencePiece and NullTokenizer types only",
+    "--profile-dir": "this project's: torch.profiler tables and traces",
+}

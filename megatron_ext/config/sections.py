@@ -107,6 +107,14 @@ class ModelConfig:
     (flash, fused) or megatron-core's DotProductAttention (unfused), with one log line),
     local (megatron-core's DotProductAttention, materializes the score matrix). This
     project adds sdpa: torch scaled_dot_product_attention explicitly."""
+    no_gradient_accumulation_fusion: bool = False
+    """Accepted for Megatron-LM scripts: gradient accumulation is never fused into the
+    weight-gradient GEMM here (that kernel is Apex's / Transformer Engine's), so the
+    gradients are the same with or without the flag."""
+    no_masked_softmax_fusion: bool = False
+    """Accepted for Megatron-LM scripts: the masked softmax is never fused here (the core
+    attention is SDPA, Transformer Engine's, or megatron-core's unfused softmax): same
+    math either way."""
     cross_entropy_loss_fusion: bool = False
     """Megatron-LM's fused cross entropy: the same loss from a fused kernel. Used on the GPU;
     on the CPU the unfused loss is computed (same math)."""
