@@ -29,6 +29,9 @@ TINY = [
     "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
     "--device", "cpu", "--wandb-mode", "disabled", "--seed", "1234",
 ]
+# bf16 with bf16 gradient accumulation and reduction, as the offload and ZenFlow tests were
+# written for (Megatron-LM's default with --bf16 alone is fp32 gradients).
+BF16 = ["--bf16", "--grad-reduce-in-bf16"]
 # The same tiny GPT on the GPU (tests/gpu).
 GPU_TINY = [a if a != "cpu" else "cuda" for a in TINY]
 
@@ -126,7 +129,7 @@ def train_losses(path) -> List[float]:
 
 def precision_flags(precision: str) -> List[str]:
     # bf16 gradients as these tests were written for (Megatron-LM's default is fp32).
-    return {"fp32": [], "bf16": ["--bf16", "--grad-reduce-in-bf16"], "fp16": ["--fp16"]}[precision]
+    return {"fp32": [], "bf16": BF16, "fp16": ["--fp16"]}[precision]
 
 
 def baseline_losses(tmp_path_factory, base: Sequence[str]):

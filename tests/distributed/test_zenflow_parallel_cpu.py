@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from mext_testing import TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
+from mext_testing import BF16, TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
 
 BASE = [*TINY, "--train-iters", "12", "--use-distributed-optimizer"]
-LAYOUTS = {"dp2-bf16": ["--bf16"], "tp2-bf16": ["--bf16", "--tensor-model-parallel-size", "2"],
+LAYOUTS = {"dp2-bf16": [*BF16], "tp2-bf16": [*BF16, "--tensor-model-parallel-size", "2"],
            "dp2-fp32": []}
 MODES = {
     "all-selected": ["--zenflow", "--zenflow-topk-ratio", "1.0", "--zenflow-update-interval",

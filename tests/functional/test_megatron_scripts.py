@@ -165,10 +165,12 @@ def test_every_script_flag_is_accepted_or_pending(tmp_path, script):
 
 
 def _corpus(tmp_path):
+    # 2000 documents: the script's --split 949,50,1 leaves 2 of them to the test split
+    # (an empty split asked for samples would never fill).
     rng = np.random.default_rng(0)
     write_indexed_dataset(tmp_path / "corpus_text_document",
                           [rng.integers(3, 128, int(rng.integers(40, 90))).tolist()
-                           for _ in range(400)])
+                           for _ in range(2000)])
 
 
 def test_gpt3_script_trains(tmp_path):
