@@ -182,6 +182,9 @@ def test_gpt3_script_trains(tmp_path):
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["lm_loss"]) for r in records)
     assert all(r["loss_scale"] is not None for r in records)  # --fp16: dynamic loss scale
+    # The initial scale 2^32 overflows fp16 every iteration here; skipped iterations are
+    # counted per log interval, as Megatron-LM's line (a running total would be 1, 2, 3).
+    assert [r["skipped_iterations"] for r in records] == [1, 1, 1]
     # --eval-interval 2 and the end of training; --save-interval 2 and the end.
     assert "validation loss at iteration 2" in out.stdout
     assert "validation loss at iteration 3" in out.stdout
