@@ -128,6 +128,9 @@ class RunConfig:
         if groups % tp:
             raise UsageError(f"--num-query-groups {groups} is not divisible by "
                              f"--tensor-model-parallel-size {tp}")
+        if par.sequence_parallel and tp > 1 and model.seq_length % tp:
+            raise UsageError(f"--sequence-parallel: --seq-length {model.seq_length} is not "
+                             f"divisible by --tensor-model-parallel-size {tp}")
         if model.num_layers % par.pipeline_model_parallel_size:
             raise UsageError(
                 f"--num-layers {model.num_layers} is not divisible by "

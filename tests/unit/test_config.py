@@ -251,3 +251,28 @@ def test_argparse_error_from_the_command_line_is_one_line():
     assert out.stderr.strip().splitlines() == [
         "error: unrecognized argument --num-layerz (did you mean --num-layers?); see --help "
         "for the flags"]
+
+
+def test_sequence_parallel_needs_a_sequence_divisible_by_tp():
+    cfg = parse_config([*MIN, "--sequence-parallel", "--tensor-model-parallel-size", "2",
+                        "--seq-length", "31"])
+    with pytest.raises(UsageError, match="--seq-length 31 is not divisible"):
+        cfg.check_world(2)
+    assert parse_config([*MIN, "--sequence-parallel"]).check_world(1) == 1  # TP 1: off
+
+
+@pytest.mark.parametrize("flag", ["--moe-router-topk", "--num-experts", "--fp8-format",
+                                  "--fp4-format", "--expert-model-parallel-size"])
+def test_refusal_table_names_the_flag(flag):
+    from megatron_ext.config.megatron_compat import first_refused
+
+    message = first_refused(["--lr", "1", f"{flag}=2"])
+    assert message.startswith(f"{flag}: ") and "not supported" in message
+
+
+def test_compat_table_only_names_flags_of_the_parser():
+    from megatron_ext.config.megatron_compat import MEGATRON_LM, refusal
+
+    options = _options(build_parser())
+    assert not [flag for flag in MEGATRON_LM if flag not in options]
+    assert not [flag for flag in options if refusal(flag)]  # accepted flags are not refused
