@@ -27,7 +27,8 @@ mkdir -p "$TIER"
 MONITOR=$!
 timeout "${LIMIT:-480}" python3 pretrain_gpt.py "${SHAPE[@]}" --seq-length 2048 \
     --max-position-embeddings 2048 --micro-batch-size 1 --mock-data --vocab-size 32000 \
-    --bf16 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 \
+    --bf16 --grad-reduce-in-bf16 --lr-decay-style cosine --num-workers 0 \
+    --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 \
     --log-interval 1 --eval-iters 0 --wandb-mode disabled --hidden-dropout 0 \
     --attention-dropout 0 --offload-optimizer --offload-paths $PATHS \
     --offload-host-cache-gb "${CACHE_GB:-100}" --offload-direct-io \

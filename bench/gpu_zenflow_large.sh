@@ -23,7 +23,8 @@ MONITOR=$!
 export MEGATRON_EXT_ZENFLOW_STAGING_SLOTS="${SLOTS:-1}"
 timeout "${LIMIT:-470}" python3 pretrain_gpt.py --num-layers 32 --hidden-size 4096 \
     --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048 \
-    --micro-batch-size 1 --mock-data --vocab-size 32000 --bf16 --use-distributed-optimizer \
+    --micro-batch-size 1 --mock-data --vocab-size 32000 --bf16 --grad-reduce-in-bf16 --lr-decay-style cosine --num-workers 0 \
+    --use-distributed-optimizer \
     --lr 1e-5 --min-lr 1e-6 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0 \
     --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 \
     --zenflow --zenflow-topk-ratio 0.1 --zenflow-update-interval 4 \

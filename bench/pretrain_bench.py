@@ -33,6 +33,9 @@ REFERENCE = [
     "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--log-interval", "1",
     "--eval-iters", "0", "--wandb-mode", "disabled", "--hidden-dropout", "0",
     "--attention-dropout", "0",
+    # As the recorded results ran (bf16 gradients, cosine decay, loading in the main
+    # process); Megatron-LM's defaults would reduce bf16 gradients in fp32.
+    "--grad-reduce-in-bf16", "--lr-decay-style", "cosine", "--num-workers", "0",
 ]
 
 
@@ -73,9 +76,11 @@ def main() -> int:
     args = list(REFERENCE)
     if a.tiny:
         args = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-                "--seq-length", "128", "--micro-batch-size", "4", "--mock-data", "--vocab-size",
+                "--seq-length", "128", "--max-position-embeddings", "128",
+                "--micro-batch-size", "4", "--mock-data", "--vocab-size",
                 "1000", "--log-interval", "1", "--eval-iters", "0", "--wandb-mode", "disabled",
-                "--use-distributed-optimizer"]
+                "--use-distributed-optimizer", "--lr", "1e-3", "--lr-decay-style", "cosine",
+                "--num-workers", "0"]
     reps = []
     steps, fwd, bwd, opt, tflops, tps, mem = [], [], [], [], [], [], []
     for r in range(a.repeats):

@@ -88,7 +88,7 @@ mkdir -p "$WORK/offload"
 OFFLOAD=(--offload-optimizer --offload-paths "$WORK/offload" --offload-subgroup-size 1000000
          --offload-host-cache-gb 0.036)
 OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --save-interval 50
-        --log-interval 10 --eval-interval 50 --eval-iters 4
+        --log-interval 10 --eval-interval 50 --eval-iters 4 --num-workers 0
         --metrics-path "$WORK/metrics.jsonl" --wandb-project megatron_ext-quickstart
         --wandb-exp-name quickstart --wandb-save-dir "$WORK" --wandb-mode offline)
 "$PY" pretrain_gpt.py "${MODEL[@]}" "${TRAIN[@]}" "${OFFLOAD[@]}" "${DATA[@]}" "${OUTPUT[@]}"

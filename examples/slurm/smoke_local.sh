@@ -16,8 +16,8 @@
 # 250, lr 1e-2), which trains in seconds. Like the jobs it resumes from the latest
 # checkpoint in SAVE_DIR: delete RUN_DIR to start over. The knobs:
 #
-#   model     NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH
-#   training  TRAIN_ITERS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE LR MIN_LR LR_WARMUP_ITERS
+#   model     NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH MAX_POSITION_EMBEDDINGS
+#   training  TRAIN_ITERS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE LR MIN_LR LR_DECAY_STYLE LR_WARMUP_ITERS
 #             WEIGHT_DECAY SEED PRECISION (bf16 | fp16 | fp32)
 #   data      DATA_PATH (empty: mock data) TOKENIZER_TYPE TOKENIZER_MODEL SPLIT VOCAB_SIZE
 #   output    RUN_DIR SAVE_DIR SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
@@ -63,12 +63,14 @@ MODEL_ARGS=(
   --hidden-size "${HIDDEN_SIZE:-768}"
   --num-attention-heads "${NUM_ATTENTION_HEADS:-12}"
   --seq-length "${SEQ_LENGTH:-1024}"
+  --max-position-embeddings "${MAX_POSITION_EMBEDDINGS:-${SEQ_LENGTH:-1024}}"
 )
 TRAIN_ARGS=(
   --train-iters "$TRAIN_ITERS"
   --micro-batch-size "${MICRO_BATCH_SIZE:-4}"
   --lr "${LR:-6e-4}"
   --min-lr "${MIN_LR:-6e-5}"
+  --lr-decay-style "${LR_DECAY_STYLE:-cosine}"
   --lr-warmup-iters "${LR_WARMUP_ITERS:-200}"
   --weight-decay "${WEIGHT_DECAY:-0.1}"
   --seed "${SEED:-1234}"

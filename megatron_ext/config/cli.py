@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from typing import List, Optional, Sequence
 
 from megatron_ext.config.fields import field_docs
+from megatron_ext.config.megatron_compat import did_you_mean, first_refused
 from megatron_ext.config.run import RunConfig
 from megatron_ext.errors import UsageError
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (a :class:`UsageError`), not the usage.
+
+    argparse prints the whole usage (80+ lines for this parser) before its one-line
+    message; the message alone says what is wrong, and ``--help`` lists the flags.
+    """
+
+    def error(self, message: str):
+        """Raises the message as a UsageError instead of printing the usage and exiting."""
+        raise UsageError(message)
 
 
 def _sections():
@@ -61,7 +75,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """Builds the parser of pretrain_gpt.py from the config dataclasses."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog=prog,
         description="Pretrain a GPT on megatron-core (see README.md). Flags with Megatron-LM "
         "names keep Megatron-LM's meanings.",
@@ -109,8 +123,14 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
     Raises:
         UsageError: a flag value or a combination of flags is invalid.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refused = first_refused(argv)
+    if refused:
+        raise UsageError(refused)
     parser = build_parser()
-    namespace = parser.parse_args(argv)
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise UsageError(_unknown_message(parser, unknown))
     values = vars(namespace)
     sections = {}
     for section_name, section_cls in _sections():
@@ -118,6 +138,15 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
         kwargs = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
         sections[section_name] = section_cls(**kwargs)
     return RunConfig(**sections)
+
+
+def _unknown_message(parser: argparse.ArgumentParser, unknown: List[str]) -> str:
+    flags = [a for a in unknown if a.startswith("-")]
+    if not flags:
+        return f"unexpected argument {unknown[0]!r} (every value follows its flag)"
+    known = [opt for action in parser._actions for opt in action.option_strings]
+    return (f"unrecognized argument {flags[0].split('=', 1)[0]}{did_you_mean(flags[0], known)}; "
+            "see --help for the flags")
 
 
 def parse_data_path(items: List[str]) -> List[tuple]:

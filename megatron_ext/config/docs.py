@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_ext.config.cli import build_parser
+from megatron_ext.config.megatron_compat import MEGATRON_LM, REFUSED, REFUSED_PREFIXES
 
 
 def flags_markdown() -> str:
@@ -19,7 +20,8 @@ def flags_markdown() -> str:
         actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
         if not actions:
             continue
-        lines += [f"#### {group.title}", "", "| flag | default | meaning |", "|---|---|---|"]
+        lines += [f"#### {group.title}", "", "| flag | default | meaning | vs Megatron-LM |",
+                  "|---|---|---|---|"]
         for action in actions:
             flag = action.option_strings[0]
             if action.choices:
@@ -32,8 +34,18 @@ def flags_markdown() -> str:
             if action.nargs == 0:
                 default = "off"  # a switch: absent unless given
             help_text = action.help.replace("|", "\\|")
-            lines.append(f"| `{flag}` | {default} | {help_text} |")
+            name = action.option_strings[0]
+            if name not in MEGATRON_LM:
+                versus = "this project's flag"
+            else:
+                versus = MEGATRON_LM[name].replace("|", "\\|") or "as Megatron-LM"
+            lines.append(f"| `{flag}` | {default} | {help_text} | {versus} |")
         lines.append("")
+    lines += ["#### Megatron-LM flags refused", "",
+              "Each gives one line `error: FLAG: why` and exit status 2.", "",
+              "| flag | why |", "|---|---|"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in sorted(REFUSED.items())]
+    lines += [f"| `{prefix}*` | {why} |" for prefix, why in sorted(REFUSED_PREFIXES.items())]
     return "\n".join(lines).rstrip() + "\n"
 
 

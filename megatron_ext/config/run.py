@@ -92,14 +92,18 @@ class RunConfig:
             if opt.optimizer != "adam":
                 raise UsageError("--zenflow supports --optimizer adam only")
         model = self.model
-        if model.recompute_granularity == "selective" and model.attention_backend == "sdpa" \
-                and model.transformer_impl == "local":
+        if model.recompute_granularity == "selective" and model.attention_backend == "sdpa":
             # Selective recompute wraps megatron-core's core attention module; the SDPA
             # module keeps no score matrix, so there is nothing to recompute.
             raise UsageError(
                 "--recompute-granularity selective has no effect with the SDPA core attention "
-                "(it keeps no score matrix); use full, or --attention-backend unfused"
+                "(it keeps no score matrix); use full, or --attention-backend auto or local"
             )
+        if self.training.deterministic_mode and model.cross_entropy_loss_fusion:
+            raise UsageError("--deterministic-mode: the fused cross entropy is not deterministic; "
+                             "drop --cross-entropy-loss-fusion (as Megatron-LM)")
+        if self.parallel.grad_reduce_in_bf16 and not self.training.bf16:
+            raise UsageError("--grad-reduce-in-bf16 needs --bf16")
 
     def check_world(self, world_size: int) -> int:
         """Checks the parallel layout against the world size; returns the DP size."""
@@ -124,6 +128,9 @@ class RunConfig:
         if groups % tp:
             raise UsageError(f"--num-query-groups {groups} is not divisible by "
                              f"--tensor-model-parallel-size {tp}")
+        if par.sequence_parallel and tp > 1 and model.seq_length % tp:
+            raise UsageError(f"--sequence-parallel: --seq-length {model.seq_length} is not "
+                             f"divisible by --tensor-model-parallel-size {tp}")
         if model.num_layers % par.pipeline_model_parallel_size:
             raise UsageError(
                 f"--num-layers {model.num_layers} is not divisible by "

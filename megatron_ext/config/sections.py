@@ -15,6 +15,13 @@ from megatron_ext.config.fields import option
 from megatron_ext.errors import UsageError
 
 
+def _required(*pairs) -> None:
+    """Megatron-LM has no default for these flags either: a run must give them."""
+    for flag, value in pairs:
+        if value is None:
+            raise UsageError(f"{flag} is required (Megatron-LM has no default for it either)")
+
+
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
@@ -26,20 +33,24 @@ def _positive(section: object, *names: str) -> None:
 class ModelConfig:
     """The GPT architecture."""
 
-    num_layers: int = 2
-    """Number of transformer layers."""
-    hidden_size: int = 64
-    """Transformer hidden size."""
-    num_attention_heads: int = 4
-    """Number of attention heads (must divide --hidden-size)."""
+    num_layers: Optional[int] = None
+    """Number of transformer layers (required)."""
+    hidden_size: Optional[int] = None
+    """Transformer hidden size (required)."""
+    num_attention_heads: Optional[int] = None
+    """Number of attention heads (required; must divide --hidden-size unless --kv-channels
+    is given)."""
     ffn_hidden_size: Optional[int] = None
-    """Hidden size of the MLP. Default: 4 x hidden size, or (8/3) x hidden size rounded up
-    to a multiple of 64 with --swiglu (Megatron-LM's rule)."""
-    seq_length: int = 128
-    """Sequence length of each training sample, in tokens."""
+    """Hidden size of the MLP. Default: 4 x hidden size, or int(8 x hidden size / 3 / 64) x 64
+    (rounded down) with --swiglu, as Megatron-LM."""
+    seq_length: Optional[int] = None
+    """Sequence length of each training sample, in tokens (required)."""
     max_position_embeddings: Optional[int] = None
-    """Size of the learned position table (learned_absolute) and the RoPE cache.
-    Default: --seq-length."""
+    """Size of the learned position table (learned_absolute) and the RoPE cache; required
+    and >= --seq-length, as Megatron-LM."""
+    kv_channels: Optional[int] = None
+    """Size of each attention head (the projection width per head). Default: hidden size
+    / attention heads."""
     normalization: str = option("LayerNorm", choices=("LayerNorm", "RMSNorm"))
     """Normalization layer: LayerNorm (GPT-2 style) or RMSNorm (Llama style)."""
     norm_epsilon: float = 1e-5
@@ -50,6 +61,22 @@ class ModelConfig:
     """Position embedding: learned absolute positions (GPT-2) or rotary (RoPE, Llama)."""
     rotary_base: int = 10000
     """Base period of the rotary embedding (with --position-embedding-type rope)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that the rotary embedding rotates (the rest pass
+    unrotated)."""
+    apply_layernorm_1p: bool = False
+    """Zero-centered norm weights: the norms compute (1 + weight) x normalized input and
+    their weights start at 0 (megatron-core's layernorm_zero_centered_gamma)."""
+    qk_layernorm: bool = False
+    """Normalize the queries and keys per head (a norm layer each) before attention."""
+    add_qkv_bias: bool = False
+    """Give the query/key/value projection a bias even with --disable-bias-linear."""
+    attention_softmax_in_fp32: bool = False
+    """Compute the attention softmax in fp32 with --bf16/--fp16 (megatron-core's unfused
+    core attention; SDPA and Transformer Engine's kernels accumulate in fp32 already)."""
+    use_mcore_models: bool = False
+    """Accepted for Megatron-LM scripts, where it is deprecated and ignored: the model is
+    always megatron-core's GPTModel here."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of sharing the input embedding."""
     disable_bias_linear: bool = False
@@ -67,29 +94,59 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """Pad the tokenizer's vocabulary up to a multiple of this x tensor-parallel size
     (Megatron-LM's rule), so embedding shards are even and GEMMs aligned."""
-    transformer_impl: str = option("local", choices=("local", "transformer_engine"))
-    """Layer implementation: megatron-core's local modules (with core attention on
-    torch's scaled_dot_product_attention), or Transformer Engine's (needs
-    transformer_engine installed and a GPU)."""
-    attention_backend: str = option("sdpa", choices=("sdpa", "unfused"))
-    """Core attention of the local implementation: torch scaled_dot_product_attention
-    (flash / memory-efficient kernels on GPU) or megatron-core's unfused
-    DotProductAttention (materializes the full score matrix; for comparison)."""
+    transformer_impl: str = option("transformer_engine", choices=("local", "transformer_engine"))
+    """Layer implementation: Transformer Engine's (the default, as Megatron-LM; without
+    transformer_engine installed the run falls back to local and says so in one log line)
+    or megatron-core's local modules."""
+    attention_backend: str = option("auto", choices=("auto", "flash", "fused", "unfused",
+                                                     "local", "sdpa"))
+    """Core attention, Megatron-LM's choices: auto (Transformer Engine picks; with the local
+    implementation torch's scaled_dot_product_attention, or megatron-core's
+    DotProductAttention under --recompute-granularity selective), flash / fused / unfused
+    (Transformer Engine's kernels; without it, the same exact attention from SDPA
+    (flash, fused) or megatron-core's DotProductAttention (unfused), with one log line),
+    local (megatron-core's DotProductAttention, materializes the score matrix). This
+    project adds sdpa: torch scaled_dot_product_attention explicitly."""
+    no_gradient_accumulation_fusion: bool = False
+    """Accepted for Megatron-LM scripts: gradient accumulation is never fused into the
+    weight-gradient GEMM here (that kernel is Apex's / Transformer Engine's), so the
+    gradients are the same with or without the flag."""
+    no_masked_softmax_fusion: bool = False
+    """Accepted for Megatron-LM scripts: the masked softmax is never fused here (the core
+    attention is SDPA, Transformer Engine's, or megatron-core's unfused softmax): same
+    math either way."""
+    cross_entropy_loss_fusion: bool = False
+    """Megatron-LM's fused cross entropy: the same loss from a fused kernel. Used on the GPU;
+    on the CPU the unfused loss is computed (same math)."""
     recompute_granularity: Optional[str] = option(None, choices=("full", "selective"))
     """Activation recomputation: full (recompute whole layers, see --recompute-method and
     --recompute-num-layers) or selective (recompute the core attention only)."""
-    recompute_method: str = option("uniform", choices=("uniform", "block"))
-    """With --recompute-granularity full: uniform (recompute every chunk of
-    --recompute-num-layers layers) or block (only the first --recompute-num-layers
-    layers of each pipeline stage)."""
-    recompute_num_layers: int = 1
-    """Layers per recomputation chunk (uniform) or recomputed layers per stage (block)."""
+    recompute_method: Optional[str] = option(None, choices=("uniform", "block"))
+    """With --recompute-granularity full (required there, as Megatron-LM): uniform
+    (recompute every chunk of --recompute-num-layers layers) or block (only the first
+    --recompute-num-layers layers of each pipeline stage)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputation chunk (uniform) or recomputed layers per stage (block);
+    required with --recompute-granularity full."""
 
     def __post_init__(self):
+        _required(("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                  ("--num-attention-heads", self.num_attention_heads),
+                  ("--seq-length", self.seq_length),
+                  ("--max-position-embeddings", self.max_position_embeddings))
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                   "seq_length", "max_position_embeddings", "num_query_groups",
-                  "make_vocab_size_divisible_by", "recompute_num_layers")
-        if self.hidden_size % self.num_attention_heads:
+                  "make_vocab_size_divisible_by", "recompute_num_layers", "kv_channels")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise UsageError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.recompute_granularity == "full" and (self.recompute_method is None
+                                                     or self.recompute_num_layers is None):
+            raise UsageError("--recompute-granularity full needs --recompute-method "
+                             "{uniform,block} and --recompute-num-layers N (as Megatron-LM)")
+        if self.recompute_granularity == "selective" and self.recompute_method is not None:
+            raise UsageError("--recompute-method is for --recompute-granularity full; "
+                             "selective recompute has no method (as Megatron-LM)")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise UsageError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; choose a head count that divides the hidden size"
@@ -102,17 +159,17 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1)")
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if (self.position_embedding_type == "learned_absolute"
-                and self.max_position_embeddings < self.seq_length):
+        if self.max_position_embeddings < self.seq_length:
             raise UsageError(
-                f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
-                f"--seq-length {self.seq_length}"
+                f"--max-position-embeddings {self.max_position_embeddings} must be greater than "
+                f"or equal to --seq-length {self.seq_length} (as Megatron-LM)"
             )
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             if self.swiglu:
-                self.ffn_hidden_size = ((8 * self.hidden_size // 3 + 63) // 64) * 64
+                # Megatron-LM's rule: 2/3 of 4h, rounded DOWN to a multiple of 64.
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
 
@@ -135,7 +192,21 @@ class ParallelConfig:
     """Overlap the parameter all-gather of the distributed optimizer with the next
     forward pass (needs --use-distributed-optimizer)."""
     accumulate_allreduce_grads_in_fp32: bool = False
-    """Accumulate and reduce gradients in fp32 (with --bf16)."""
+    """Accumulate and reduce gradients in fp32. With --bf16 this is on unless
+    --grad-reduce-in-bf16 (Megatron-LM's rule)."""
+    grad_reduce_in_bf16: bool = False
+    """With --bf16: accumulate and reduce gradients in bf16 (half the bytes of the reduce and
+    of the offload engine's gradient copies) instead of Megatron-LM's default fp32."""
+    sequence_parallel: bool = False
+    """Sequence parallelism: shard the activations outside the tensor-parallel regions
+    (norms, dropout) along the sequence over the TP ranks. Off when TP is 1 (with a log
+    line, as Megatron-LM)."""
+    context_parallel_size: int = 1
+    """Context-parallel size (CP). Only 1 is supported: megatron-core's context parallelism
+    needs Transformer Engine's attention, which this project does not wire."""
+    distributed_backend: str = option("nccl", choices=("nccl", "gloo"))
+    """Backend of torch.distributed: nccl on GPUs (the default); gloo is what runs with
+    --device cpu (either value is accepted there)."""
     ddp_bucket_size: Optional[int] = None
     """Elements per gradient-reduce bucket (default: megatron-core's choice)."""
     distributed_timeout_minutes: int = 10
@@ -143,7 +214,14 @@ class ParallelConfig:
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "ddp_bucket_size", "distributed_timeout_minutes")
+                  "ddp_bucket_size", "distributed_timeout_minutes", "context_parallel_size")
+        if self.context_parallel_size != 1:
+            raise UsageError(f"--context-parallel-size {self.context_parallel_size}: context "
+                             "parallelism is not supported (it needs Transformer Engine's "
+                             "attention, which this project does not wire); use 1")
+        if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
+            raise UsageError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
+                             "are exclusive; choose one")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise UsageError("--overlap-param-gather needs --use-distributed-optimizer")
 
@@ -152,15 +230,36 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch sizes, iterations, precision and logging cadence."""
 
-    micro_batch_size: int = 2
-    """Samples per micro-batch on each data-parallel rank."""
+    micro_batch_size: Optional[int] = None
+    """Samples per micro-batch on each data-parallel rank (required)."""
     global_batch_size: Optional[int] = None
     """Samples per iteration over all data-parallel ranks; a multiple of micro batch x DP
     (the quotient is the number of micro-batches accumulated). Default: micro batch x DP."""
-    train_iters: int = 20
-    """Number of iterations to train for (optimizer steps)."""
+    train_iters: Optional[int] = None
+    """Number of iterations to train for; the training length is required, as Megatron-LM."""
     exit_interval: Optional[int] = None
     """Save (when --save is given) and exit when the iteration is a multiple of this."""
+    exit_duration_in_mins: Optional[int] = None
+    """Save (when --save is given) and exit after this many minutes since the start of the
+    process (checked after each iteration, agreed across ranks)."""
+    manual_gc: bool = False
+    """Disable Python's threshold-based garbage collector and collect at fixed points
+    (every --manual-gc-interval iterations, around evaluations), so ranks pause together."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect every this many iterations (0: only at the start and around
+    evaluations)."""
+    manual_gc_eval: bool = option(True, negate="--no-manual-gc-eval")
+    """With --manual-gc: do not collect at the start and end of each evaluation."""
+    empty_unused_memory_level: int = option(0, choices=(0, 1, 2))
+    """Release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after
+    forward/backward, 2 also after the optimizer step; 0 never. No-op on the CPU."""
+    calculate_per_token_loss: bool = False
+    """Average the loss over all tokens of the global batch (every micro-batch and DP rank
+    weighted by its tokens) instead of the mean of the per-micro-batch token means."""
+    deterministic_mode: bool = False
+    """Deterministic kernels: torch.use_deterministic_algorithms(True),
+    CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring, megatron-core's deterministic_mode (no
+    --cross-entropy-loss-fusion, as Megatron-LM)."""
     seed: int = 1234
     """Random seed of weights, dropout and data order."""
     bf16: bool = False
@@ -171,15 +270,23 @@ class TrainingConfig:
     """Static loss scale for --fp16 (default: dynamic scaling)."""
     initial_loss_scale: float = 2.0**32
     """Initial dynamic loss scale for --fp16."""
-    eval_interval: int = 1000
-    """Evaluate on the validation split every this many iterations (and at the end)."""
-    eval_iters: int = 10
+    eval_interval: Optional[int] = None
+    """Evaluate on the validation split every this many iterations; unset (the default, as
+    Megatron-LM core_v0.16.1): only at the end of training."""
+    eval_iters: int = 100
     """Iterations (global batches) per evaluation; 0 disables evaluation."""
-    log_interval: int = 10
+    log_interval: int = 100
     """Log the iteration breakdown every this many iterations."""
 
     def __post_init__(self):
+        _required(("--micro-batch-size", self.micro_batch_size))
+        if self.train_iters is None and getattr(self, "train_samples", None) is None:
+            raise UsageError("the training length is required: give --train-iters N "
+                             "(Megatron-LM has no default for it either)")
+        if self.manual_gc_interval < 0:
+            raise UsageError("--manual-gc-interval must be >= 0")
         _positive(self, "micro_batch_size", "global_batch_size", "train_iters", "exit_interval",
+                  "exit_duration_in_mins",
                   "eval_interval", "log_interval", "loss_scale", "initial_loss_scale")
         if self.eval_iters < 0:
             raise UsageError("--eval-iters must be >= 0")
@@ -193,17 +300,22 @@ class OptimizerConfig:
 
     optimizer: str = option("adam", choices=("adam", "sgd"))
     """Optimizer: adam (AdamW, decoupled weight decay) or sgd."""
-    lr: float = 1e-3
-    """Peak learning rate."""
+    lr: Optional[float] = None
+    """Peak learning rate (required)."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
-    lr_decay_style: str = option("cosine", choices=("constant", "linear", "cosine",
+    lr_decay_style: str = option("linear", choices=("constant", "linear", "cosine",
                                                     "inverse-square-root", "WSD"))
     """Shape of the learning-rate decay after warm-up."""
     lr_warmup_iters: int = 0
     """Iterations of linear learning-rate warm-up from 0."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the learning rate decays (default: --train-iters)."""
+    decoupled_lr: Optional[float] = None
+    """Peak learning rate of the input embedding and the output layer (their own schedule
+    of the same shape; megatron-core's decoupled_lr)."""
+    decoupled_min_lr: Optional[float] = None
+    """Final learning rate of the input embedding and the output layer with --decoupled-lr."""
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to biases and norms)."""
     adam_beta1: float = 0.9
@@ -228,7 +340,14 @@ class OptimizerConfig:
     with the CPU optimizer (megatron-core's option)."""
 
     def __post_init__(self):
-        _positive(self, "lr", "adam_eps", "lr_decay_iters")
+        _required(("--lr", self.lr))
+        _positive(self, "lr", "adam_eps", "lr_decay_iters", "decoupled_lr")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise UsageError("--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_min_lr is not None and not 0 <= self.decoupled_min_lr <= \
+                self.decoupled_lr:
+            raise UsageError(f"--decoupled-min-lr {self.decoupled_min_lr} must be in "
+                             f"[0, --decoupled-lr {self.decoupled_lr}]")
         if self.min_lr < 0 or self.min_lr > self.lr:
             raise UsageError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
         if self.lr_warmup_iters < 0 or self.weight_decay < 0 or self.clip_grad < 0:
@@ -262,8 +381,15 @@ class DataConfig:
     """Vocabulary size for NullTokenizer and --mock-data without a tokenizer."""
     eod_mask_loss: bool = False
     """Do not compute the loss on end-of-document tokens."""
-    num_workers: int = 0
+    num_workers: int = 2
     """DataLoader worker processes per rank."""
+    mmap_bin_files: bool = option(True, negate="--no-mmap-bin-files")
+    """Read the PREFIX.bin files with plain reads instead of memory-mapping them."""
+    create_attention_mask_in_dataloader: bool = option(
+        True, negate="--no-create-attention-mask-in-dataloader")
+    """Accepted for Megatron-LM scripts: the data loader never builds the dense attention
+    mask here (attention is causal by construction in every backend), so the flag only
+    confirms what happens anyway."""
     data_cache_path: Optional[str] = None
     """Directory for megatron-core's dataset index caches (default: megatron-core's
     choice, a folder PREFIX/cache beside each data prefix)."""
@@ -292,9 +418,26 @@ class CheckpointConfig:
     loaded weights)."""
     load_rng: bool = option(True, negate="--no-load-rng")
     """Do not load the random-number-generator states from --load."""
+    ckpt_format: str = option("torch_dist", choices=("torch", "torch_dist", "torch_dcp",
+                                                     "fsdp_dtensor"))
+    """Checkpoint format: torch_dist (megatron-core dist_checkpointing, the default as
+    Megatron-LM) is the only one written and read here; the others are refused."""
+    dist_ckpt_strictness: str = option(
+        "assume_ok_unexpected", choices=("assume_ok_unexpected", "log_unexpected", "log_all",
+                                         "raise_unexpected", "raise_all", "return_unexpected",
+                                         "return_all", "ignore_all"))
+    """How dist_checkpointing's load treats keys of the checkpoint and of the model that do
+    not match (megatron-core StrictHandling); return_unexpected / return_all are refused
+    (nothing here reads the returned lists: use log_all)."""
 
     def __post_init__(self):
         _positive(self, "save_interval")
+        if self.ckpt_format != "torch_dist":
+            raise UsageError(f"--ckpt-format {self.ckpt_format}: only torch_dist "
+                             "(megatron-core dist_checkpointing) is supported; use torch_dist")
+        if self.dist_ckpt_strictness.startswith("return_"):
+            raise UsageError(f"--dist-ckpt-strictness {self.dist_ckpt_strictness}: nothing "
+                             "here reads the returned key lists; use log_all or raise_all")
 
 
 @dataclasses.dataclass
@@ -312,6 +455,13 @@ class LoggingConfig:
     wandb_mode: str = option("offline", choices=("offline", "online", "disabled"))
     """wandb mode: offline (default; files only, sync later with 'wandb sync'), online, or
     disabled."""
+    log_throughput: bool = False
+    """Add the throughput (TFLOP/s per GPU, 6N estimate) to the stdout line; the metrics
+    record always has it."""
+    log_params_norm: bool = False
+    """Compute and log the L2 norm of the parameters (fp32, over all model-parallel ranks)."""
+    log_num_zeros_in_grad: bool = False
+    """Count and log the zero entries of the gradients (megatron-core's optimizer)."""
     timing_log_level: int = option(0, choices=(0, 1, 2))
     """Detail of the timers: 0 the iteration breakdown, 1 and 2 finer timers."""
     profile: bool = False

@@ -81,6 +81,7 @@ def _dataset_config(cfg, tokenizer, dp_size: int):
         eod_mask_loss=data.eod_mask_loss,
         # Attention is causal by construction (SDPA / TE); no dense mask needed.
         create_attention_mask=False,
+        mmap_bin_files=data.mmap_bin_files,
         data_parallel_size=dp_size,
     )
 

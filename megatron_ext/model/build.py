@@ -3,12 +3,65 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import logging
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from megatron_ext.errors import UsageError
+
+log = logging.getLogger("megatron_ext")
+
+
+def transformer_engine_available() -> bool:
+    """Whether transformer_engine can be imported (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_layers(model_cfg, te_available: bool):
+    """The layer implementation and core attention a run uses, and why (log lines).
+
+    Megatron-LM's defaults are Transformer Engine with ``--attention-backend auto``. Without
+    TE the run uses megatron-core's local modules; TE's attention kernels are replaced by
+    the same exact attention: torch SDPA for auto / flash / fused, megatron-core's
+    DotProductAttention for unfused and local (and for any choice under selective
+    recompute, which recomputes that module's score matrix).
+
+    Returns:
+        (impl: "local" | "transformer_engine", attention: "sdpa" | "local" | a TE choice,
+        notes: list of one-line log messages)
+
+    Raises:
+        UsageError: a combination Megatron-LM refuses too.
+    """
+    m, notes = model_cfg, []
+    impl, attention = m.transformer_impl, m.attention_backend
+    if impl == "transformer_engine" and not te_available:
+        impl = "local"
+        notes.append("--transformer-impl transformer_engine: Transformer Engine is not "
+                     "installed; using megatron-core's local implementation")
+    if impl == "transformer_engine":
+        if attention == "sdpa":
+            raise UsageError("--attention-backend sdpa is the local implementation's; with "
+                             "--transformer-impl transformer_engine use auto, flash, fused or "
+                             "unfused (or --transformer-impl local)")
+        if attention == "local":
+            raise UsageError("--attention-backend local needs --transformer-impl local "
+                             "(as Megatron-LM's --spec local)")
+        return impl, attention, notes
+    if attention in ("auto", "flash", "fused", "unfused"):
+        selective = m.recompute_granularity == "selective"
+        target = "local" if attention == "unfused" or selective else "sdpa"
+        what = ("megatron-core's DotProductAttention" if target == "local"
+                else "torch scaled_dot_product_attention")
+        reason = ("Transformer Engine picks the kernel" if attention == "auto"
+                  else "this kernel is Transformer Engine's")
+        notes.append(f"--attention-backend {attention}: {reason}; the local implementation "
+                     f"computes the same attention with {what}")
+        attention = target
+    return impl, attention, notes
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -28,18 +81,32 @@ def _dtype(cfg) -> torch.dtype:
 def transformer_config(cfg, runtime):
     """megatron-core TransformerConfig of the run."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
 
     m, par = cfg.model, cfg.parallel
     dtype = _dtype(cfg)
     on_gpu = not runtime.is_cpu
     add_bias = not m.disable_bias_linear
     activation_fusion = on_gpu and (m.swiglu or add_bias)
+    impl, attention, _ = resolve_layers(m, transformer_engine_available())
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        kv_channels=m.kv_channels,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+        attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+        attention_backend=(AttnBackend[attention] if impl == "transformer_engine"
+                           else AttnBackend.local),
+        sequence_parallel=par.sequence_parallel and par.tensor_model_parallel_size > 1,
+        deterministic_mode=cfg.training.deterministic_mode,
+        # The fused cross entropy is a GPU kernel; on the CPU the unfused one (same math).
+        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion and on_gpu,
+        cross_entropy_fusion_impl="native",
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.swiglu,
@@ -66,34 +133,48 @@ def transformer_config(cfg, runtime):
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
-        # Sum the per-micro-batch losses of the schedule as Megatron-LM's GPT does.
-        calculate_per_token_loss=False,
+        # False: the schedule divides each micro-batch's token-summed loss by its tokens and
+        # the micro-batch count (Megatron-LM's default); True: by the global batch's tokens.
+        calculate_per_token_loss=cfg.training.calculate_per_token_loss,
     )
 
 
 def _layer_spec(cfg, config):
     m = cfg.model
-    if m.transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            raise UsageError("--transformer-impl transformer_engine: transformer_engine is not "
-                             "installed; install it (GPU machines) or use --transformer-impl local")
+    impl, attention, _ = resolve_layers(m, transformer_engine_available())
+    if impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        spec = get_gpt_layer_local_spec(normalization=m.normalization)
-    if m.attention_backend == "sdpa":
+        spec = get_gpt_layer_local_spec(normalization=m.normalization,
+                                        qk_layernorm=m.qk_layernorm)
+    spec = copy.deepcopy(spec)
+    if attention == "sdpa":
         from megatron_ext.model.sdpa_attention import SDPAttention
 
-        spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if config.layernorm_zero_centered_gamma or config.sequence_parallel:
+        # torch's norms (the local spec's without Apex) do neither: use this project's.
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+
+        from megatron_ext.model.norm import Norm
+
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = Norm
+        if m.qk_layernorm:
+            layer.self_attention.submodules.q_layernorm = Norm
+            layer.self_attention.submodules.k_layernorm = Norm
+        return TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=Norm)
     return spec
 
 
@@ -108,8 +189,12 @@ def build_model(cfg, runtime, vocab_size: int):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
+    m, par = cfg.model, cfg.parallel
+    for note in resolve_layers(m, transformer_engine_available())[2]:
+        log.info(note)
+    if par.sequence_parallel and par.tensor_model_parallel_size == 1:
+        log.info("--sequence-parallel: off, tensor-parallel size is 1 (as Megatron-LM)")
     config = transformer_config(cfg, runtime)
-    m = cfg.model
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(cfg, config),
@@ -120,14 +205,14 @@ def build_model(cfg, runtime, vocab_size: int):
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
     )
     if not runtime.is_cpu:
         model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
-    par = cfg.parallel
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=par.accumulate_allreduce_grads_in_fp32,
+        grad_reduce_in_fp32=grads_in_fp32(cfg),
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
         use_distributed_optimizer=par.use_distributed_optimizer,
@@ -137,6 +222,18 @@ def build_model(cfg, runtime, vocab_size: int):
     # Same initial weights on every data-parallel rank.
     ddp.broadcast_params()
     return [ddp], config
+
+
+def grads_in_fp32(cfg) -> bool:
+    """Whether gradients are accumulated and reduced in fp32 (Megatron-LM's rule).
+
+    With --bf16 they are, unless --grad-reduce-in-bf16; with --fp16 only under
+    --accumulate-allreduce-grads-in-fp32; fp32 training has fp32 gradients anyway.
+    """
+    par = cfg.parallel
+    if cfg.training.bf16:
+        return not par.grad_reduce_in_bf16
+    return par.accumulate_allreduce_grads_in_fp32
 
 
 def count_parameters(model_chunks) -> int:

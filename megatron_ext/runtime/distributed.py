@@ -89,6 +89,10 @@ def initialize(cfg) -> Runtime:
     else:
         if torch.cuda.device_count() <= local:
             raise UsageError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
+        if cfg.parallel.distributed_backend != "nccl":
+            raise UsageError(f"--distributed-backend {cfg.parallel.distributed_backend}: on "
+                             "GPUs this project runs megatron-core's collectives on nccl; use "
+                             "nccl (gloo is what --device cpu uses)")
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         backend = "nccl"

@@ -260,7 +260,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime)
                              f"run uses {now}; add --finetune (model weights only) or "
                              "--no-load-optim (weights and iteration) to start a fresh optimizer")
     state = _sharded_state(model_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer)
-    loaded = dist_checkpointing.load(state, path)
+    loaded = dist_checkpointing.load(state, path, strict=cfg.checkpoint.dist_ckpt_strictness)
     _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
     train_state = TrainState(**loaded["train_state"])
     if with_optimizer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import math
 import os
@@ -78,6 +79,45 @@ def _setup_logging(rank: int) -> None:
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
 
 
+def _params_norm(model_chunks) -> float:
+    """L2 norm of the model's parameters in fp32, over all tensor/pipeline-parallel ranks.
+
+    Each parameter counts once: TP-duplicated ones (norms, biases of row-parallel layers)
+    only on TP rank 0, the embedding shared with the output layer only on the first stage.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    square = None
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if not (param_is_not_shared(param)
+                    and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)):
+                continue
+            value = param.detach().float().pow(2).sum()
+            square = value if square is None else square + value
+    if square is None:
+        square = torch.zeros((), device=next(model_chunks[0].parameters()).device)
+    square = square.reshape(1)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(square, group=parallel_state.get_model_parallel_group())
+    return float(square.sqrt().item())
+
+
+def _empty_cache(runtime) -> None:
+    if not runtime.is_cpu:
+        torch.cuda.empty_cache()
+
+
+def _minutes_since_start() -> float:
+    """Minutes since this process started (Megatron-LM counts from its start too)."""
+    import time
+
+    import psutil
+
+    return (time.time() - psutil.Process().create_time()) / 60.0
+
+
 def _to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -127,6 +167,18 @@ def _global_mean(local_sum_count: torch.Tensor) -> float:
     return _mean(_global_sum(local_sum_count))
 
 
+def _deterministic(runtime) -> None:
+    """--deterministic-mode: deterministic torch kernels (and NCCL_ALGO, as Megatron-LM)."""
+    if not runtime.is_cpu and os.environ.get("NCCL_ALGO") not in (
+            "Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS"):
+        raise UsageError("--deterministic-mode needs NCCL_ALGO set to one of Tree, Ring, "
+                         "CollnetDirect, CollnetChain, ^NVLS (as Megatron-LM), e.g. "
+                         "NCCL_ALGO=Ring")
+    # cuBLAS is deterministic only with a fixed workspace; torch insists on this variable.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 class Trainer:
     """One run: model, optimizer, data and the loop over iterations."""
 
@@ -144,6 +196,8 @@ class Trainer:
         self._sync_stream_only = step_sync_mode() == "stream"
         self.runtime = rt = initialize(cfg)
         _setup_logging(rt.rank)
+        if cfg.training.deterministic_mode:
+            _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)
         load_dir = ckpt.resolve_load_dir(cfg)
         log.info("start-up: building the datasets")
@@ -234,15 +288,19 @@ class Trainer:
         )
         self._synchronize()
         t_fb = watch.lap()
+        if cfg.training.empty_unused_memory_level >= 1:
+            _empty_cache(self.runtime)
         interval_loss += _sum_reports(losses, self.runtime.device)
         reads = None
         if logs:
             scale = self.optimizer.get_loss_scale()
             reads = {"loss": _global_sum(interval_loss),
                      "loss_scale": ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         self._synchronize()
         t_opt = watch.lap()
+        if cfg.training.empty_unused_memory_level >= 2:
+            _empty_cache(self.runtime)
         if ok:
             self.scheduler.step(increment=1)
         return reads, ok, grad_norm, t_fb, t_opt
@@ -285,7 +343,7 @@ class Trainer:
         self.last_saved = self.state.iteration
         log.info("saved checkpoint %s in %.2f s", path, watch.lap())
 
-    def _log(self, reads: dict, iters, t_fb, t_opt, elapsed, grad_norm) -> None:
+    def _log(self, reads: dict, iters, t_fb, t_opt, elapsed, grad_norm, skipped) -> None:
         cfg, rt = self.cfg, self.runtime
         loss = _mean(reads["loss"])
         scale = reads["loss_scale"]
@@ -301,7 +359,8 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": maybe_float(grad_norm),
             "loss_scale": maybe_float(scale.get() if isinstance(scale, ToHost) else scale),
-            "skipped_iterations": self.state.skipped_iterations,
+            # Per log interval, as Megatron-LM's line (the checkpoint keeps the total).
+            "skipped_iterations": skipped,
             "time/iteration_s": per_iter,
             "time/forward_backward_s": t_fb / iters,
             "time/forward_s": timer("forward-compute"),
@@ -312,11 +371,16 @@ class Trainer:
             "throughput/tflops_per_gpu": 6.0 * self.num_params * tokens / per_iter
             / rt.world_size / 1e12,
         }
+        if cfg.logging.log_num_zeros_in_grad:
+            record["num_zeros_in_grad"] = maybe_float(self.num_zeros_in_grad)
+        if cfg.logging.log_params_norm:
+            record["params_norm"] = _params_norm(self.model)
         record.update(optimizer_metrics(self.optimizer))
         record.update(memory_stats(rt))
         record["time/eta_s"] = self.eta.add(iters, elapsed, self.state.iteration)
         if rt.rank == 0:
-            print(format_line(record, cfg.training.train_iters), flush=True)
+            print(format_line(record, cfg.training.train_iters, cfg.logging.log_throughput),
+                  flush=True)
         self.writer.write(record)
 
     def train(self) -> int:
@@ -327,7 +391,7 @@ class Trainer:
         data_iterator = iter(loader)
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        iters = 0
+        iters = skipped = 0
         t_fb = t_opt = 0.0
         window = Stopwatch()
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
@@ -347,14 +411,19 @@ class Trainer:
                     self.state.optimizer_steps += 1
                 else:
                     self.state.skipped_iterations += 1
+                    skipped += 1
                 iters += 1
                 t_fb += fb
                 t_opt += opt
                 if logs:
-                    self._log(reads, iters, t_fb, t_opt, window.lap(), grad_norm)
+                    self._log(reads, iters, t_fb, t_opt, window.lap(), grad_norm, skipped)
                     interval_loss.zero_()
-                    iters, t_fb, t_opt = 0, 0.0, 0.0
-                if train.eval_iters and it % train.eval_interval == 0 and it < train.train_iters:
+                    iters, skipped, t_fb, t_opt = 0, 0, 0.0, 0.0
+                if train.manual_gc and train.manual_gc_interval \
+                        and it % train.manual_gc_interval == 0:
+                    gc.collect()
+                if (train.eval_iters and train.eval_interval and it % train.eval_interval == 0
+                        and it < train.train_iters):
                     self._log_eval()
                     window.lap()
                 ck = cfg.checkpoint
@@ -370,14 +439,34 @@ class Trainer:
                     if self.last_saved != it:
                         self.save()
                     return 0
+                if train.exit_duration_in_mins and self._duration_reached():
+                    log.info("--exit-duration-in-mins %d reached at iteration %d",
+                             train.exit_duration_in_mins, it)
+                    if self.last_saved != it:
+                        self.save()
+                    return 0
         if train.eval_iters:
             self._log_eval()
         if self.last_saved != self.state.iteration:
             self.save()
         return 0
 
+    def _duration_reached(self) -> bool:
+        """Whether --exit-duration-in-mins has passed on any rank (all agree)."""
+        done = torch.tensor([_minutes_since_start() > self.cfg.training.exit_duration_in_mins],
+                            dtype=torch.int)
+        if self.runtime.host_group is not None:
+            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.runtime.host_group)
+        return bool(done.item())
+
     def _log_eval(self) -> None:
+        manual_gc = self.cfg.training.manual_gc and self.cfg.training.manual_gc_eval
+        if manual_gc:
+            gc.collect()
         loss = self.evaluate()
+        if manual_gc:
+            gc.collect()
         ppl = math.exp(min(20.0, loss)) if not math.isnan(loss) else float("nan")
         if self.runtime.rank == 0:
             print(f" validation loss at iteration {self.state.iteration} | lm loss value: "
@@ -397,8 +486,14 @@ def pretrain(cfg) -> int:
 
     _quiet_optional_dependencies()
     trainer = Trainer(cfg)
+    if cfg.training.manual_gc:
+        # Collections at fixed points only, so that ranks pause together (Megatron-LM).
+        gc.disable()
+        gc.collect()
     try:
         return trainer.train()
     finally:
+        if cfg.training.manual_gc:
+            gc.enable()
         trainer.close()
         shutdown()

@@ -22,12 +22,17 @@ def num_parameters(cfg, vocab_size: int) -> int:
     """Parameters of the whole model (all TP/PP ranks), from the config."""
     m = cfg.model
     h, ffn = m.hidden_size, m.ffn_hidden_size
-    head_dim = h // m.num_attention_heads
-    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    heads = m.num_attention_heads
+    head_dim = m.kv_channels or h // heads
+    groups = m.num_query_groups if m.group_query_attention else heads
     bias = 0 if m.disable_bias_linear else 1
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    qkv_out = h + 2 * groups * head_dim
-    attention = h * qkv_out + bias * qkv_out + h * h + bias * h
+    qkv_bias = 1 if bias or getattr(m, "add_qkv_bias", False) else 0
+    per_norm = 2 if m.normalization == "LayerNorm" else 1
+    norm = h * per_norm
+    qkv_out = (heads + 2 * groups) * head_dim
+    attention = h * qkv_out + qkv_bias * qkv_out + heads * head_dim * h + bias * h
+    if getattr(m, "qk_layernorm", False):
+        attention += 2 * head_dim * per_norm
     fc1_out = ffn * (2 if m.swiglu else 1)
     mlp = h * fc1_out + bias * fc1_out + ffn * h + bias * h
     layer = attention + mlp + 2 * norm
@@ -86,8 +91,13 @@ class MetricsWriter:
             self._wandb = None
 
 
-def format_line(record: dict, train_iters: int) -> str:
-    """The Megatron-style stdout line of a training record."""
+def format_line(record: dict, train_iters: int, throughput: bool = True) -> str:
+    """The Megatron-style stdout line of a training record.
+
+    ``throughput`` (--log-throughput) adds the TFLOP/s per GPU, as Megatron-LM's line does
+    with that flag; the parameters norm and the zeros in the gradients come when the record
+    has them (--log-params-norm, --log-num-zeros-in-grad).
+    """
     def fmt(key, spec):
         value = record.get(key)
         return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) \
@@ -102,10 +112,18 @@ def format_line(record: dict, train_iters: int) -> str:
         f"lm loss: {fmt('lm_loss', '.6E')}",
         f"loss scale: {fmt('loss_scale', '.1f')}",
         f"grad norm: {fmt('grad_norm', '.3f')}",
+    ]
+    if "num_zeros_in_grad" in record:
+        parts.append(f"num zeros: {fmt('num_zeros_in_grad', '.0f')}")
+    if "params_norm" in record:
+        parts.append(f"params norm: {fmt('params_norm', '.3f')}")
+    parts += [
         f"number of skipped iterations: {record['skipped_iterations']:3d}",
         f"tokens/s: {record['throughput/tokens_per_s']:.0f}",
-        f"TFLOP/s/GPU (6N): {record['throughput/tflops_per_gpu']:.1f}",
     ]
+    if throughput:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU, 6N): "
+                     f"{record['throughput/tflops_per_gpu']:.1f}")
     breakdown = " ".join(f"{k.split('/')[1][:-2]} {record[k] * 1000:.1f}"
                          for k in ("time/forward_s", "time/backward_s", "time/grad_sync_s",
                                    "time/optimizer_s") if k in record)

@@ -42,6 +42,11 @@ def megatron_optimizer_config(cfg):
         optimizer_offload_fraction=(opt.optimizer_offload_fraction if opt.optimizer_cpu_offload
                                     else 0.0),
         overlap_cpu_optimizer_d2h_h2d=opt.overlap_cpu_optimizer_d2h_h2d,
+        # The embedding and output layer's own peak / final learning rate (param groups
+        # with max_lr / min_lr that megatron-core's scheduler reads).
+        decoupled_lr=opt.decoupled_lr,
+        decoupled_min_lr=opt.decoupled_min_lr,
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
     )
 
 

@@ -8,13 +8,13 @@ from collections import defaultdict
 
 import pytest
 
-from mext_testing import TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
+from mext_testing import BF16, TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
 
 BASE = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
-LAYOUTS = {"dp2": ["--bf16"],
-           "dp2-overlap": ["--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+LAYOUTS = {"dp2": [*BF16],
+           "dp2-overlap": [*BF16, "--overlap-grad-reduce", "--overlap-param-gather",
                            "--global-batch-size", "16"],
-           "tp2": ["--bf16", "--tensor-model-parallel-size", "2"],
+           "tp2": [*BF16, "--tensor-model-parallel-size", "2"],
            "dp2-fp32": []}
 # Each rank's shard (~60k elements) in subgroups of 5000, three of them cached.
 SMALL = ["--offload-subgroup-size", "5000", "--offload-host-cache-gb", "0.00018"]
@@ -39,7 +39,7 @@ def test_two_ranks_offload_equals_plain(tmp_path, layout):
 
 
 def test_two_ranks_offload_resume_is_exact(tmp_path):
-    flags = [*BASE, "--bf16", "--offload-optimizer", *paths(tmp_path)]
+    flags = [*BASE, *BF16, "--offload-optimizer", *paths(tmp_path)]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, nproc=2)
     assert losses_of(resumed) == losses_of(straight)
 
@@ -63,7 +63,7 @@ def _overlaps(trace_text: str) -> tuple:
 
 def test_ranks_of_one_node_take_turns_on_a_path(tmp_path):
     trace = tmp_path / "trace.txt"
-    run_pretrain([*BASE, "--bf16", "--offload-optimizer", *paths(tmp_path)], nproc=2,
+    run_pretrain([*BASE, *BF16, "--offload-optimizer", *paths(tmp_path)], nproc=2,
                  env={"MEGATRON_EXT_OFFLOAD_TRACE": str(trace)})
     overlaps, pids = _overlaps(trace.read_text())
     assert len(pids) == 2 and min(pids.values()) > 100, pids
@@ -74,7 +74,7 @@ def test_without_concurrency_control_ranks_collide(tmp_path):
     """The check above can fail: with the lock off (and I/O slowed to make it long), the two
     ranks' operations on a path do overlap."""
     trace = tmp_path / "trace.txt"
-    run_pretrain([*BASE, "--bf16", "--offload-optimizer", *paths(tmp_path),
+    run_pretrain([*BASE, *BF16, "--offload-optimizer", *paths(tmp_path),
                   "--no-offload-concurrency-control", "--no-offload-rebalance"], nproc=2,
                  env={"MEGATRON_EXT_OFFLOAD_TRACE": str(trace),
                       "MEGATRON_EXT_OFFLOAD_FAULT": "slow:0:10:1;slow:1:10:1"})

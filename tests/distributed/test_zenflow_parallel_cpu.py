@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mext_testing import (
+    BF16,
     TINY,
     losses_of,
     read_metrics,
@@ -17,7 +18,7 @@ from mext_testing import (
 )
 
 BASE = [*TINY, "--train-iters", "12", "--use-distributed-optimizer"]
-LAYOUTS = {"dp2-bf16": ["--bf16"], "tp2-bf16": ["--bf16", "--tensor-model-parallel-size", "2"],
+LAYOUTS = {"dp2-bf16": [*BF16], "tp2-bf16": [*BF16, "--tensor-model-parallel-size", "2"],
            "dp2-fp32": []}
 MODES = {
     "all-selected": ["--zenflow", "--zenflow-topk-ratio", "1.0", "--zenflow-update-interval",

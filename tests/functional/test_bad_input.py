@@ -12,7 +12,8 @@ from mext_testing import PRETRAIN, ROOT, test_env, write_indexed_dataset
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
-        "--device", "cpu", "--wandb-mode", "disabled", "--eval-iters", "0"]
+        "--device", "cpu", "--wandb-mode", "disabled", "--eval-iters", "0",
+        "--max-position-embeddings", "16", "--lr", "1e-3", "--num-workers", "0"]
 MOCK = ["--mock-data", "--vocab-size", "100"]
 OFFLOAD = ["--use-distributed-optimizer", "--offload-optimizer"]
 ZENFLOW = ["--use-distributed-optimizer", "--zenflow"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mext_testing import (
+    BF16,
     TINY,
     baseline_losses,
     launch,
@@ -106,7 +107,7 @@ def test_fp16_offload_matches_plain_optimizer(tmp_path, baseline):
 
 def test_files_follow_the_bandwidth_proportion(tmp_path):
     trace = tmp_path / "trace.txt"
-    _, out = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 2), "--no-offload-rebalance"],
+    _, out = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 2), "--no-offload-rebalance"],
                          env={TRACE: str(trace)})
     written = defaultdict(int)
     for line in trace.read_text().splitlines():
@@ -124,7 +125,7 @@ def test_files_follow_the_bandwidth_proportion(tmp_path):
 
 @pytest.mark.parametrize("layout", ["host-only", "two-paths"])
 def test_offload_resume_is_exact(tmp_path, layout):
-    flags = [*BASE, "--bf16", "--offload-optimizer",
+    flags = [*BASE, *BF16, "--offload-optimizer",
              *path_flags(tmp_path, 0 if layout == "host-only" else 2)]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
     assert losses_of(resumed) == losses_of(straight)
@@ -139,7 +140,7 @@ def test_offload_resume_is_exact(tmp_path, layout):
 
 
 def test_kill_during_flush_then_resume(tmp_path):
-    flags = ["--bf16", *path_flags(tmp_path, 2)]
+    flags = [*BF16, *path_flags(tmp_path, 2)]
     _, straight = run_offload(tmp_path, flags, name="straight.jsonl")
     ckpt = tmp_path / "ckpt"
     first = tmp_path / "first.jsonl"
@@ -168,7 +169,7 @@ def _one_error_line(result) -> str:
 
 
 def test_corrupted_tier_file_is_detected(tmp_path):
-    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 1)],
+    result, _ = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 1)],
                             env={FAULT: "corrupt-after-flush:3"}, check=False)
     line = _one_error_line(result)
     assert "checksum mismatch" in line and str(tmp_path / "tier0") in line
@@ -176,7 +177,7 @@ def test_corrupted_tier_file_is_detected(tmp_path):
 
 def test_truncated_checkpoint_file_is_detected(tmp_path):
     ckpt = tmp_path / "ckpt"
-    flags = ["--bf16", *path_flags(tmp_path, 1)]
+    flags = [*BF16, *path_flags(tmp_path, 1)]
     run_offload(tmp_path, [*flags, "--save", str(ckpt), "--exit-interval", "4"])
     state = ckpt / "iter_0000004" / "offload" / "rank00000" / "sg00005.state"
     os.truncate(state, state.stat().st_size - 4096)
@@ -186,7 +187,7 @@ def test_truncated_checkpoint_file_is_detected(tmp_path):
 
 
 def test_full_path_spills_to_the_other(tmp_path, baseline):
-    result, out = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 2)],
+    result, out = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 2)],
                               env={FAULT: "enospc:0"})
     assert "now go to" in result.stdout and "No space left" in result.stdout
     assert train_losses(out) == baseline("bf16")
@@ -195,14 +196,14 @@ def test_full_path_spills_to_the_other(tmp_path, baseline):
 
 
 def test_full_only_path_is_a_clear_error(tmp_path):
-    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 1)],
+    result, _ = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 1)],
                             env={FAULT: "enospc:0"}, check=False)
     line = _one_error_line(result)
     assert "No space left" in line and "last checkpoint is intact" in line
 
 
 def test_vanished_path_is_a_clear_error(tmp_path):
-    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 2)],
+    result, _ = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 2)],
                             env={FAULT: "vanish:1:4"}, check=False)
     line = _one_error_line(result)
     assert "does not exist" in line and str(tmp_path / "tier1") in line
@@ -214,7 +215,7 @@ def test_throttled_path_loses_subgroups(tmp_path):
     for i in range(2):
         (tmp_path / f"tier{i}").mkdir()
         dirs.append(f"{tmp_path / f'tier{i}'}@1,1")
-    _, out = run_offload(tmp_path, ["--bf16", "--offload-paths", *dirs, *SMALL],
+    _, out = run_offload(tmp_path, [*BF16, "--offload-paths", *dirs, *SMALL],
                          env={FAULT: "slow:1:8:3"})
     counts = [r["offload/path1_subgroups"] for r in read_metrics(out)
               if "offload/cache_hit_rate" in r]
@@ -226,7 +227,7 @@ def test_throttled_path_loses_subgroups(tmp_path):
 
 def test_two_jobs_on_one_path_keep_apart(tmp_path, baseline):
     """Two jobs started at once on the same path each see only their own state."""
-    flags = [*BASE, "--bf16", "--offload-optimizer", *path_flags(tmp_path, 1)]
+    flags = [*BASE, *BF16, "--offload-optimizer", *path_flags(tmp_path, 1)]
     outs = [tmp_path / f"job{i}.jsonl" for i in range(2)]
     procs = [launch([*flags, "--metrics-path", str(out)]) for out in outs]
     for proc in procs:
@@ -237,7 +238,7 @@ def test_two_jobs_on_one_path_keep_apart(tmp_path, baseline):
 
 
 def test_stdout_line_carries_the_offload_breakdown(tmp_path):
-    result, _ = run_offload(tmp_path, ["--bf16", *path_flags(tmp_path, 1)])
+    result, _ = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 1)])
     lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration")]
     assert len(lines) == ITERS
     assert all("offload (ms): stall" in line and "cache hits" in line for line in lines)

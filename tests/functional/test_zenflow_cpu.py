@@ -14,6 +14,7 @@ import math
 import pytest
 
 from mext_testing import (
+    BF16,
     TINY,
     assert_loss_falls,
     baseline_losses,
@@ -113,7 +114,7 @@ def test_synchronous_steps_equal_plain_adam(tmp_path, baseline, precision):
 def test_async_windows_train_and_report(tmp_path, baseline):
     # --profile rides along (the same run): iterations 11-12 hold a window end (12).
     prof = tmp_path / "prof"
-    out = run_zenflow(tmp_path, [*ASYNC, "--bf16", "--profile", "--profile-step-start", "11",
+    out = run_zenflow(tmp_path, [*ASYNC, *BF16, "--profile", "--profile-step-start", "11",
                                  "--profile-step-end", "12", "--profile-dir", str(prof)])
     records = [r for r in read_metrics(out) if "lm_loss" in r]
     losses = losses_of(records)
@@ -153,7 +154,7 @@ def test_async_windows_train_and_report(tmp_path, baseline):
 @pytest.mark.parametrize("stop_at", [6, 12])
 def test_resume_is_exact(tmp_path, stop_at):
     """Stopped mid-window with a CPU update pending (6), or at a re-selection (12)."""
-    flags = [*BASE, *ASYNC, "--bf16"]
+    flags = [*BASE, *ASYNC, *BF16]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at)
     assert losses_of(resumed) == losses_of(straight)
     ckpt = tmp_path / "ckpt" / f"iter_{stop_at:07d}"
@@ -205,7 +206,7 @@ def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, precision, selec
 def test_cpu_side_in_offload_tiers_resume_is_exact(tmp_path, selection, stop_at):
     """Resumed from a checkpoint (after a re-selection in the second case: the engine of
     the second selection saved its files): the same curve."""
-    flags = [*BASE, *(FIXED if selection == "fixed" else ASYNC), "--bf16",
+    flags = [*BASE, *(FIXED if selection == "fixed" else ASYNC), *BF16,
              *tier_flags(tmp_path)]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at)
     assert losses_of(resumed) == losses_of(straight)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mext_testing import (
+    BF16,
     GPU_TINY,
     losses_of,
     read_metrics,
@@ -18,7 +19,7 @@ from mext_testing import (
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
 
-BASE = [*GPU_TINY, "--bf16", "--use-distributed-optimizer", "--train-iters", "20",
+BASE = [*GPU_TINY, *BF16, "--use-distributed-optimizer", "--train-iters", "20",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 SMALL = ["--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036"]
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mext_testing import (
+    BF16,
     GPU_TINY,
     assert_loss_falls,
     losses_of,
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_bf16_trains_on_cuda_and_loss_falls(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    out = run_pretrain([*GPU_TINY, "--bf16", "--use-distributed-optimizer", "--train-iters", "30",
+    out = run_pretrain([*GPU_TINY, *BF16, "--use-distributed-optimizer", "--train-iters", "30",
                         "--metrics-path", str(metrics)]).stdout
     assert "cuda x1" in out
     losses = train_losses(metrics)
@@ -56,7 +57,7 @@ def test_resume_matches_on_cuda(tmp_path, precision):
 def test_megatron_host_offload_runs_on_cuda(tmp_path):
     """megatron-core's --optimizer-cpu-offload (the baseline) runs through the seam."""
     metrics = tmp_path / "m.jsonl"
-    run_pretrain([*GPU_TINY, "--bf16", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+    run_pretrain([*GPU_TINY, *BF16, "--use-distributed-optimizer", "--optimizer-cpu-offload",
                   "--optimizer-offload-fraction", "1.0", "--train-iters", "10",
                   "--metrics-path", str(metrics)])
     losses = train_losses(metrics)

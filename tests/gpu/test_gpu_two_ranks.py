@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mext_testing import (
+    BF16,
     GPU_TINY,
     assert_loss_falls,
     losses_of,
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 ], ids=["dp2-overlap", "tp2"])
 def test_two_gpus_train_bf16_and_loss_falls(tmp_path, layout):
     metrics = tmp_path / "m.jsonl"
-    out = run_pretrain([*GPU_TINY, *layout, "--bf16", "--train-iters", "30",
+    out = run_pretrain([*GPU_TINY, *layout, *BF16, "--train-iters", "30",
                         "--metrics-path", str(metrics)], nproc=2).stdout
     assert "cuda x2" in out
     losses = train_losses(metrics)
@@ -34,6 +35,6 @@ def test_two_gpus_train_bf16_and_loss_falls(tmp_path, layout):
 
 
 def test_resume_matches_on_two_gpus(tmp_path):
-    flags = [*GPU_TINY, "--train-iters", "16", "--use-distributed-optimizer", "--bf16"]
+    flags = [*GPU_TINY, "--train-iters", "16", "--use-distributed-optimizer", *BF16]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=8, nproc=2)
     assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mext_testing import GPU_TINY, losses_of, read_metrics, run_pretrain, straight_and_resumed
+from mext_testing import BF16, GPU_TINY, losses_of, read_metrics, run_pretrain, straight_and_resumed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
 
-BASE = [*GPU_TINY, "--bf16", "--use-distributed-optimizer", "--train-iters", "20",
+BASE = [*GPU_TINY, *BF16, "--use-distributed-optimizer", "--train-iters", "20",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 MODES = {
     "all-selected": ["--zenflow-topk-ratio", "1.0", "--zenflow-update-interval", "1"],
