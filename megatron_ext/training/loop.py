@@ -144,9 +144,14 @@ class Trainer:
         _setup_logging(rt.rank)
         tokenizer = build_tokenizer(cfg.data)
         load_dir = ckpt.resolve_load_dir(cfg)
+        # Before anything is built from it: every file verified, the model settings taken
+        # (--use-checkpoint-args) or compared.
+        common = ckpt.prepare_load(load_dir, cfg, rt) if load_dir else None
         self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                             cfg.model.make_vocab_size_divisible_by, rt.tp)
+        if common is not None:
+            ckpt.check_model(common, cfg, self.vocab_size, load_dir)
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
         self.optimizer = build_optimizer(cfg, self.model, rt)
         self.scheduler = build_scheduler(cfg, self.optimizer)
@@ -155,7 +160,7 @@ class Trainer:
         self.state = ckpt.TrainState()
         if load_dir:
             self.state = ckpt.load_checkpoint(load_dir, self.model, self.optimizer,
-                                              self.scheduler, cfg, rt)
+                                              self.scheduler, cfg, rt, verified=True)
             log.info("loaded %s (iteration %d, %d samples consumed)", load_dir,
                      self.state.iteration, self.state.consumed_train_samples)
         self.num_params = num_parameters(cfg, self.vocab_size)
@@ -324,6 +329,11 @@ class Trainer:
         t_fb = t_opt = 0.0
         window = Stopwatch()
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
+        if self.state.iteration >= train.train_iters:
+            # A re-run of a finished run: its final evaluation and checkpoint exist.
+            log.info("iteration %d of --train-iters %d already reached: nothing to train",
+                     self.state.iteration, train.train_iters)
+            return 0
         with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
                 it = self.state.iteration + 1
