@@ -353,8 +353,8 @@ def verify(directory: str, group=None) -> bool:
         more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
         rank, _ = _rank_world(group)
         advice = _advice(directory) if rank == 0 else "see rank 0"
-        raise UsageError(f"--load: checkpoint {directory} is damaged: "
-                         f"{os.path.join(directory, name)}: {what}{more}; {advice}")
+        raise UsageError(f"--load {directory}: {os.path.join(directory, name)}: {what}{more}: "
+                         f"the checkpoint is damaged; {advice}")
     if not has_manifest:
         log.info("checkpoint %s has no %s (an older or Megatron-LM checkpoint): loading it "
                  "without verifying its files", directory, MANIFEST)
