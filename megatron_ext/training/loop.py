@@ -363,7 +363,8 @@ class Trainer:
                     window.lap()
                 if signals.should_exit(rt.host_group):
                     log.info("exit signal received: saving at iteration %d and exiting", it)
-                    self.save()
+                    if self.last_saved != it:
+                        self.save()
                     return 0
                 if train.exit_interval and it % train.exit_interval == 0:
                     log.info("--exit-interval %d reached at iteration %d", train.exit_interval, it)
