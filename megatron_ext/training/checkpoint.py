@@ -206,8 +206,10 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         torch.distributed.barrier()
         if rank0:
             _publish(root, tmp, final, train_state.iteration)
-    except Exception as err:  # noqa: BLE001 - a full or failing disk is one line, see below
-        why = integrity.storage_error(err)
+    # BaseException: torch.distributed.checkpoint's CheckpointException derives from it.
+    except BaseException as err:  # noqa: BLE001 - a full or failing disk is one line
+        why = None if isinstance(err, (KeyboardInterrupt, SystemExit)) \
+            else integrity.storage_error(err)
         if why is None:
             raise
         if rank0:

@@ -72,15 +72,26 @@ def storage_error(exc: BaseException) -> Optional[str]:
     OSError of theirs wrapped in other exceptions, or only as text.
     """
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    pending = [exc]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
+        if isinstance(exc, tuple):  # torch.distributed.checkpoint's (exception, traceback)
+            pending.extend(e for e in exc if isinstance(e, BaseException))
+            continue
         if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
             where = f" ({exc.filename})" if exc.filename else ""
             return f"{os.strerror(exc.errno)}{where}"
         match = _STORAGE_TEXT.search(str(exc))
         if match:
             return match.group(0)
-        exc = exc.__cause__ or exc.__context__
+        # torch.distributed.checkpoint's CheckpointException keeps each rank's failure.
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            pending.extend(failures.values())
+        pending.extend([exc.__cause__, exc.__context__])
     return None
 
 
