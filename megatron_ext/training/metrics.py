@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import time
 from typing import Optional
 
@@ -65,9 +67,9 @@ class MetricsWriter:
         os.makedirs(save_dir, exist_ok=True)
         self._wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
                                  dir=save_dir, mode=lg.wandb_mode, config=self.cfg.to_dict(),
-                                 **self._resume_args(wandb))
+                                 **self._resume_args())
 
-    def _resume_args(self, wandb) -> dict:
+    def _resume_args(self) -> dict:
         """The wandb run id kept in --save, and resume="allow".
 
         A resumed or re-run job thus continues its wandb run instead of opening a new one.
@@ -82,7 +84,9 @@ class MetricsWriter:
                 text = f.read(128).decode("ascii", errors="replace").strip()
             run_id = text if text and text.replace("-", "").replace("_", "").isalnum() else None
         if run_id is None:
-            run_id = wandb.util.generate_id()
+            # wandb's own id alphabet: lowercase letters and digits.
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
+                             for _ in range(8))
             os.makedirs(save, exist_ok=True)
             tmp = f"{path}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
