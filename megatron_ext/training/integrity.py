@@ -362,8 +362,14 @@ def verify(directory: str, group=None) -> bool:
     if problems:
         name, what = problems[0]
         more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
-        rank, _ = _rank_world(group)
+        rank, world = _rank_world(group)
         advice = _advice(directory) if rank == 0 else "see rank 0"
+        if world > 1:
+            # The others wait for rank 0's line: under torchrun, the first rank to exit
+            # makes the agent stop the rest, possibly before rank 0 has printed.
+            import torch
+
+            torch.distributed.barrier(group=group)
         raise UsageError(f"--load {directory}: {os.path.join(directory, name)}: {what}{more}: "
                          f"the checkpoint is damaged; {advice}")
     if not has_manifest:
