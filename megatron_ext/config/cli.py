@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import typing
 from typing import List, Optional, Sequence
@@ -117,6 +118,19 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 
+def _check_finite(parser: argparse.ArgumentParser, values: dict) -> None:
+    """Refuses nan and inf for every number flag.
+
+    float('nan') parses, and compares False with every bound a section checks, so it
+    would pass them.
+    """
+    for action in parser._actions:
+        value = values.get(action.dest)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise UsageError(f"{action.option_strings[0]} {item}: must be a finite number")
+
+
 def parse_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
     """Parses the command line into a :class:`RunConfig`.
 
@@ -132,6 +146,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
     if unknown:
         raise UsageError(_unknown_message(parser, unknown))
     values = vars(namespace)
+    _check_finite(parser, values)
     sections = {}
     for section_name, section_cls in _sections():
         prefix = section_name + "."

@@ -430,6 +430,21 @@ class CheckpointConfig:
     not match (megatron-core StrictHandling); return_unexpected / return_all are refused
     (nothing here reads the returned lists: use log_all)."""
 
+    use_checkpoint_args: bool = False
+    """Take the model's architecture (layers, hidden size, heads, FFN size, positions,
+    normalization, SwiGLU, biases, dropout, ...) from the --load checkpoint instead of the
+    flags (Megatron-LM's flag). Without it, architecture settings that differ from the
+    checkpoint's are refused, naming them."""
+    override_opt_param_scheduler: bool = option(False, flag="--override-opt_param-scheduler")
+    """On --load, set the learning-rate and weight-decay schedule (--lr, --min-lr,
+    --lr-warmup-iters, decay iterations, --lr-decay-style, --weight-decay) from the flags
+    and ignore the checkpoint's (Megatron-LM's flag); e.g. to extend --train-iters."""
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, flag="--use-checkpoint-opt_param-scheduler")
+    """On --load, keep the checkpoint's learning-rate and weight-decay schedule and ignore
+    the flags' (Megatron-LM's flag). Without this or --override-opt_param-scheduler, a
+    schedule that differs from the checkpoint's is refused, naming what differs."""
+
     def __post_init__(self):
         _positive(self, "save_interval")
         if self.ckpt_format != "torch_dist":
@@ -438,6 +453,12 @@ class CheckpointConfig:
         if self.dist_ckpt_strictness.startswith("return_"):
             raise UsageError(f"--dist-ckpt-strictness {self.dist_ckpt_strictness}: nothing "
                              "here reads the returned key lists; use log_all or raise_all")
+        if self.use_checkpoint_args and not self.load:
+            raise UsageError("--use-checkpoint-args needs --load DIR (the checkpoint to take "
+                             "the model settings from)")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise UsageError("--override-opt_param-scheduler and "
+                             "--use-checkpoint-opt_param-scheduler are exclusive; give one")
 
 
 @dataclasses.dataclass

@@ -49,6 +49,14 @@ def check_data_prefix(prefix: str, vocab_size: int) -> None:
     nbytes = os.path.getsize(prefix + ".bin")
     if nbytes == 0:
         raise UsageError(f"--data-path {prefix}: {prefix}.bin is empty")
+    lengths = read_index(prefix, dtype)[0]
+    expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
+    if nbytes != expected:
+        raise UsageError(
+            f"--data-path {prefix}: {prefix}.bin has {nbytes} bytes, its index describes "
+            f"{expected} ({len(lengths)} sequences of {dtype.name}): the .bin is "
+            f"{'truncated' if nbytes < expected else 'longer'} or the pair does not belong "
+            "together; make both again with tools/preprocess_data.py")
     tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
     count = min(tokens.shape[0], _MAX_SCAN_BYTES // dtype.itemsize)
     largest = int(tokens[:count].max())
@@ -57,6 +65,89 @@ def check_data_prefix(prefix: str, vocab_size: int) -> None:
             f"--data-path {prefix}: token id {largest} is outside the tokenizer's vocabulary "
             f"of {vocab_size}; preprocess the data with the same --tokenizer-model"
         )
+
+
+def read_index(prefix: str, dtype: np.dtype) -> Tuple[np.ndarray, np.ndarray]:
+    """(sequence lengths, document indices) of PREFIX.idx, checked for consistency.
+
+    Layout (megatron-core's): 18 header bytes, sequence count and document count (8 bytes
+    each), int32 lengths, int64 byte pointers into the .bin, int64 document indices.
+
+    Raises:
+        UsageError: the index is truncated, or its pointers do not describe one
+            contiguous .bin (pointing past it, overlapping, or out of order).
+    """
+    path = prefix + ".idx"
+    size = os.path.getsize(path)
+    with open(path, "rb") as stream:
+        stream.seek(18)
+        counts = stream.read(16)
+        if len(counts) < 16:
+            raise UsageError(f"--data-path {prefix}: {path} is truncated (no sequence counts)")
+        seqs, docs = struct.unpack("<QQ", counts)
+        needed = 34 + seqs * 12 + docs * 8
+        if size < needed:
+            raise UsageError(f"--data-path {prefix}: {path} is truncated ({size} bytes, its "
+                             f"header announces {seqs} sequences and {docs - 1} documents: "
+                             f"{needed} bytes); make it again with tools/preprocess_data.py")
+        lengths = np.fromfile(stream, dtype=np.int32, count=seqs)
+        pointers = np.fromfile(stream, dtype=np.int64, count=seqs)
+        doc_idx = np.fromfile(stream, dtype=np.int64, count=docs)
+    if seqs:
+        if (lengths < 0).any():
+            raise UsageError(f"--data-path {prefix}: {path} holds negative sequence lengths")
+        starts = np.zeros(seqs, dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=starts[1:])
+        if not np.array_equal(starts, pointers):
+            raise UsageError(f"--data-path {prefix}: {path} points into {prefix}.bin at offsets "
+                             "that do not follow the sequence lengths (a damaged or foreign "
+                             "index); make it again with tools/preprocess_data.py")
+    if docs == 0 or doc_idx[0] != 0 or doc_idx[-1] != seqs or (np.diff(doc_idx) < 0).any():
+        raise UsageError(f"--data-path {prefix}: {path} has an inconsistent document table")
+    return lengths, doc_idx
+
+
+# megatron-core's split names, in --split order.
+_SPLIT_NAMES = ("train", "validation", "test")
+
+
+def check_split_sizes(split: str, lengths_per_prefix: List[Tuple[str, np.ndarray]]) -> None:
+    """Refuses a split that gets no tokens of a corpus (megatron-core would loop forever).
+
+    megatron-core cuts each corpus by sequence at round(share x count); a split with a
+    non-zero share that gets no sequence (a small corpus, e.g. 120 documents with the
+    default 969,30,1) makes its epoch count loop in GPTDataset._get_num_epochs.
+
+    Raises:
+        UsageError: naming the empty split and what to change.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix, lengths in lengths_per_prefix:
+        n = len(lengths)
+        for name, bounds in zip(_SPLIT_NAMES, matrix):
+            if bounds is None:
+                continue
+            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+            if int(lengths[beg:end].sum(dtype=np.int64)) == 0:
+                share = bounds[1] - bounds[0]
+                zero = ",".join("0" if other == name else part
+                                for other, part in zip(_SPLIT_NAMES, _split_parts(split)))
+                advice = (f"give it 0 (--split {zero}), a share of at least {1.0 / n:.3g} of "
+                          "the total, or use more data" if name != "train" else
+                          "give it a larger share, or use more data")
+                raise UsageError(
+                    f"--split {split}: the {name} split of {prefix} is empty ({n} sequences x "
+                    f"{share:.3g} rounds to {end - beg} with tokens); {advice}")
+
+
+def _split_parts(split: str) -> List[str]:
+    parts = split.replace("/", ",").split(",")
+    return (parts + ["0"] * 3)[:3]
 
 
 def _dataset_config(cfg, tokenizer, dp_size: int):
@@ -98,6 +189,9 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
         for _, prefix in parse_data_path(data.data_path):
             check_data_prefix(prefix, tokenizer.vocab_size)
         _check_split(data.split)
+        check_split_sizes(data.split, [
+            (prefix, read_index(prefix, _index_dtype(prefix))[0])
+            for _, prefix in parse_data_path(data.data_path)])
     gbs = cfg.training.global_batch_size
     eval_samples = cfg.training.eval_iters * gbs
     sizes = [cfg.training.train_iters * gbs, eval_samples, eval_samples]
@@ -112,6 +206,14 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
         raise UsageError("the training split is empty: give the train part of --split a "
                          "non-zero share, or more data")
     return train, valid, test
+
+
+def _index_dtype(prefix: str) -> np.dtype:
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(prefix + ".idx", "rb") as stream:
+        stream.seek(17)
+        return np.dtype(DType.dtype_from_code(stream.read(1)[0]))
 
 
 def _check_split(split: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import random
 import shutil
 from typing import Optional
@@ -25,11 +26,13 @@ import numpy as np
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.training import checkpoint_args, integrity
 from megatron_ext.training.optimizer import (
     inner_torch_optimizers,
     load_external_state,
     save_external_state,
 )
+from megatron_ext.training.signals import shielded_helpers
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +61,14 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise UsageError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+    with open(path, "rb") as f:
+        raw = f.read(256)
+    text = raw.decode("ascii", errors="replace").strip()
+    # isdigit() alone accepts non-ASCII digits; the pointer is written in ASCII.
+    if not (raw.strip().isascii() and text.isdigit()):
+        raise UsageError(f"--load {root}: {TRACKER} holds {text[:40]!r}, not an iteration "
+                         "number; write the iteration to resume from into it (e.g. 'echo 100 "
+                         f"> {path}')")
     return int(text)
 
 
@@ -164,9 +172,12 @@ def _fix_step_counts(optimizer, steps: int) -> None:
 
 def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer, scheduler,
                     cfg, runtime) -> str:
-    """Saves a checkpoint of every rank atomically; returns its directory."""
-    from megatron.core import dist_checkpointing
+    """Saves a checkpoint of every rank atomically; returns its directory.
 
+    Raises:
+        UsageError: the storage failed (full, read-only, ...): the previous checkpoint and
+            the pointer are left as they were.
+    """
     rank0 = runtime.rank == 0
     final = checkpoint_name(root, train_state.iteration)
     tmp = final + ".tmp"
@@ -183,28 +194,71 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         "opt_param_scheduler": scheduler.state_dict(),
         "config": cfg.to_dict(),
         "world_size": runtime.world_size,
+        # What --use-checkpoint-args and the settings check read (the tokenizer's vocabulary
+        # padded as the model has it).
+        "padded_vocab_size": _unwrap(model_chunks[0]).vocab_size,
     })
+    try:
+        with shielded_helpers():
+            _save_files(state, tmp, optimizer, runtime, train_state.iteration)
+        # Last, once every rank's files are complete: the checksum of each.
+        integrity.write_manifest(tmp, runtime.host_group)
+        torch.distributed.barrier()
+        if rank0:
+            _publish(root, tmp, final, train_state.iteration)
+    # BaseException: torch.distributed.checkpoint's CheckpointException derives from it.
+    except BaseException as err:  # noqa: BLE001 - a full or failing disk is one line
+        why = None if isinstance(err, (KeyboardInterrupt, SystemExit)) \
+            else integrity.storage_error(err)
+        if why is None:
+            raise
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
+        kept = (f"the previous checkpoint {checkpoint_name(root, previous)} and the pointer are "
+                "intact" if previous is not None else "no earlier checkpoint exists")
+        raise UsageError(f"--save {root}: saving iteration {train_state.iteration} failed: "
+                         f"{why}; {kept}; free space there (or give another --save) and resume "
+                         "with --load") from None
+    torch.distributed.barrier()
+    return final
+
+
+def _save_files(state: dict, tmp: str, optimizer, runtime, iteration: int) -> None:
+    """Writes this rank's files of a checkpoint into ``tmp``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    # megatron-core collects its writer processes' results through a multiprocessing
+    # Manager (a server process of its own, started at the first save). A synchronous save
+    # collects them in this process, so a plain queue does: no server that a SIGTERM to the
+    # process group can kill before the save at the signal (BrokenPipeError), and ~2 s
+    # less for the first save.
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
     dist_checkpointing.save(state, tmp, content_metadata=dict(_SHARDING))
     save_external_state(optimizer, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(runtime), os.path.join(tmp, "rng", f"rank_{runtime.rank:05d}.pt"))
+    integrity.Faults().check_save(iteration)
     torch.distributed.barrier()
-    if rank0:
-        for dirpath, _, files in os.walk(tmp):
-            for name in files:
-                with open(os.path.join(dirpath, name), "rb") as f:
-                    os.fsync(f.fileno())
-        old = None
-        if os.path.exists(final):
-            old = final + ".old"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(os.path.join(root, TRACKER), str(train_state.iteration))
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-    torch.distributed.barrier()
-    return final
+
+
+def _publish(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Renames the complete ``tmp`` to ``final``, then moves the pointer (rank 0)."""
+    for dirpath, _, files in os.walk(tmp):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+    old = None
+    if os.path.exists(final):
+        old = final + ".old"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(os.path.join(root, TRACKER), str(iteration))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_load_dir(cfg) -> Optional[str]:
@@ -231,6 +285,84 @@ def resolve_load_dir(cfg) -> Optional[str]:
     return path
 
 
+def _read_common(path: str) -> dict:
+    """The checkpoint's common state (weights_only: torch's default load)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except Exception as err:  # noqa: BLE001 - an unverified checkpoint's damage, in one line
+        if isinstance(err, UsageError):
+            raise
+        text = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise UsageError(f"--load {path}: its common state (common.pt / metadata.json) cannot "
+                         f"be read ({type(err).__name__}: {text}); the checkpoint is damaged or "
+                         "not a torch_dist checkpoint") from None
+
+
+def prepare_load(path: str, cfg, runtime) -> dict:
+    """Verifies the checkpoint and reads its common state, before the model is built.
+
+    With --use-checkpoint-args, takes the model settings from it (into ``cfg.model``).
+
+    Returns:
+        the common state (for :func:`check_model` and :func:`load_checkpoint`).
+
+    Raises:
+        UsageError: a damaged file, named with the previous checkpoint that verifies.
+    """
+    integrity.verify(path, runtime.host_group)
+    common = _read_common(path)
+    if cfg.checkpoint.use_checkpoint_args:
+        cfg.model, taken = checkpoint_args.apply_settings(common, cfg.model, path)
+        cfg.check_world(runtime.world_size)
+        if runtime.rank == 0:
+            log.info("--use-checkpoint-args: model settings from %s: %s", path,
+                     ", ".join(taken) or "all equal to the flags")
+    return common
+
+
+def check_model(common: dict, cfg, padded_vocab: int, path: str) -> None:
+    """Refuses a checkpoint of another architecture, naming what differs, before loading."""
+    checkpoint_args.check_settings(common, cfg.model, padded_vocab, path)
+
+
+# The schedule values megatron-core's OptimizerParamScheduler checks at load, with the
+# flags that set them.
+_SCHEDULE = (("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters"),
+             ("lr_decay_steps", "--lr-decay-iters/--train-iters"),
+             ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
+             ("end_wd", "--weight-decay"), ("wd_incr_steps", "--train-iters"),
+             ("wd_incr_style", "weight-decay style"))
+
+
+def schedule_differences(saved: dict, scheduler) -> list:
+    """'name: checkpoint X, flags Y' for each schedule value that differs. Pure."""
+    out = []
+    for key, flag in _SCHEDULE:
+        if key in saved and saved[key] != getattr(scheduler, key, saved[key]):
+            out.append(f"{key} ({flag}) {saved[key]} in the checkpoint, {getattr(scheduler, key)} "
+                       "from the flags")
+    return out
+
+
+def _load_scheduler(scheduler, saved: dict, ck, path: str) -> None:
+    """Loads the schedule by Megatron-LM's rule.
+
+    The flags' schedule with --override-opt_param-scheduler, the checkpoint's with
+    --use-checkpoint-opt_param-scheduler, else they must agree.
+    """
+    diff = schedule_differences(saved, scheduler)
+    if diff and not (ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler):
+        raise UsageError(f"--load {path}: the learning-rate schedule differs from the "
+                         f"checkpoint's: {'; '.join(diff)}; add --override-opt_param-scheduler "
+                         "(use the flags) or --use-checkpoint-opt_param-scheduler (keep the "
+                         "checkpoint's)")
+    scheduler.override_opt_param_scheduler = ck.override_opt_param_scheduler
+    scheduler.use_checkpoint_opt_param_scheduler = not ck.override_opt_param_scheduler
+    scheduler.load_state_dict(saved)
+
+
 def _optimizer_kind(config: dict) -> str:
     """Which optimizer a run config uses, in words (their checkpoint states differ)."""
     if config.get("zenflow", {}).get("zenflow"):
@@ -240,16 +372,29 @@ def _optimizer_kind(config: dict) -> str:
     return "the plain optimizer"
 
 
-def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime) -> TrainState:
+def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
+                    verified: bool = False) -> TrainState:
     """Loads the checkpoint at ``path`` into model, optimizer and scheduler.
+
+    Args:
+        path: the checkpoint directory.
+        model_chunks: the model (DDP-wrapped chunks).
+        optimizer: the megatron-core optimizer.
+        scheduler: the OptimizerParamScheduler.
+        cfg: the run config.
+        runtime: this process's Runtime.
+        verified: the checkpoint's files were already checked (:func:`prepare_load`).
 
     Returns:
         the restored TrainState (zeroed with --finetune).
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     ck = cfg.checkpoint
-    common = dist_checkpointing.load_common_state_dict(path)
+    if not verified:
+        integrity.verify(path, runtime.host_group)
+    common = _read_common(path)
     if common.get("checkpoint_version") != FORMAT_VERSION:
         raise UsageError(f"--load {path}: not a megatron_ext checkpoint of format {FORMAT_VERSION}")
     with_optimizer = ck.load_optim and not ck.finetune
@@ -260,7 +405,16 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime)
                              f"run uses {now}; add --finetune (model weights only) or "
                              "--no-load-optim (weights and iteration) to start a fresh optimizer")
     state = _sharded_state(model_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer)
-    loaded = dist_checkpointing.load(state, path, strict=cfg.checkpoint.dist_ckpt_strictness)
+    try:
+        loaded = dist_checkpointing.load(state, path,
+                                         strict=cfg.checkpoint.dist_ckpt_strictness)
+    except CheckpointingException as err:
+        # The settings check names what differs when the checkpoint records its settings;
+        # this is for those that do not.
+        text = str(err).strip().splitlines()[0][:240] if str(err).strip() else ""
+        raise UsageError(f"--load {path}: the checkpoint does not fit this model ({text}); "
+                         "give the checkpoint's model settings, or --use-checkpoint-args"
+                         ) from None
     _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
     train_state = TrainState(**loaded["train_state"])
     if with_optimizer:
@@ -275,11 +429,15 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime)
         optimizer.reload_model_params()
     if ck.finetune:
         return TrainState()
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if with_optimizer:
+        # As Megatron-LM: the schedule is loaded with the optimizer (not with
+        # --no-load-optim, which starts both fresh).
+        _load_scheduler(scheduler, loaded["opt_param_scheduler"], ck, path)
     rng_file = os.path.join(path, "rng", f"rank_{runtime.rank:05d}.pt")
     if ck.load_rng:
         if os.path.isfile(rng_file) and loaded.get("world_size") == runtime.world_size:
-            _set_rng_state(torch.load(rng_file, weights_only=False), runtime)
+            _set_rng_state(integrity.safe_load(rng_file, "random-number-generator state"),
+                           runtime)
         elif runtime.rank == 0:
             log.warning("checkpoint was saved at world size %s: random states not restored",
                         loaded.get("world_size"))

@@ -200,10 +200,15 @@ class Trainer:
             _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)
         load_dir = ckpt.resolve_load_dir(cfg)
+        # Before anything is built from it: every file verified, the model settings taken
+        # (--use-checkpoint-args) or compared.
+        common = ckpt.prepare_load(load_dir, cfg, rt) if load_dir else None
         log.info("start-up: building the datasets")
         self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                             cfg.model.make_vocab_size_divisible_by, rt.tp)
+        if common is not None:
+            ckpt.check_model(common, cfg, self.vocab_size, load_dir)
         log.info("start-up: building the model")
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
         log.info("start-up: building the optimizer")
@@ -215,7 +220,7 @@ class Trainer:
         if load_dir:
             log.info("start-up: loading checkpoint %s (%s)", load_dir, dir_size_text(load_dir))
             self.state = ckpt.load_checkpoint(load_dir, self.model, self.optimizer,
-                                              self.scheduler, cfg, rt)
+                                              self.scheduler, cfg, rt, verified=True)
             log.info("loaded %s (iteration %d, %d samples consumed)", load_dir,
                      self.state.iteration, self.state.consumed_train_samples)
         self.num_params = num_parameters(cfg, self.vocab_size)
@@ -395,6 +400,11 @@ class Trainer:
         t_fb = t_opt = 0.0
         window = Stopwatch()
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
+        if self.state.iteration >= train.train_iters:
+            # A re-run of a finished run: its final evaluation and checkpoint exist.
+            log.info("iteration %d of --train-iters %d already reached: nothing to train",
+                     self.state.iteration, train.train_iters)
+            return 0
         self.eta = EtaClock(train.train_iters)
         log.info("start-up: done; training from iteration %d (the first iterations include "
                  "warm-up)", self.state.iteration + 1)
@@ -432,7 +442,8 @@ class Trainer:
                     window.lap()
                 if signals.should_exit(rt.host_group):
                     log.info("exit signal received: saving at iteration %d and exiting", it)
-                    self.save()
+                    if self.last_saved != it:
+                        self.save()
                     return 0
                 if train.exit_interval and it % train.exit_interval == 0:
                     log.info("--exit-interval %d reached at iteration %d", train.exit_interval, it)

@@ -9,6 +9,8 @@ import functools
 import json
 import math
 import os
+import secrets
+import string
 import time
 from typing import Optional
 
@@ -16,6 +18,7 @@ import psutil
 import torch
 
 GIB = 1024**3
+WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 def num_parameters(cfg, vocab_size: int) -> int:
@@ -69,7 +72,33 @@ class MetricsWriter:
                                          if self.cfg.checkpoint.save else "wandb")
         os.makedirs(save_dir, exist_ok=True)
         self._wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
-                                 dir=save_dir, mode=lg.wandb_mode, config=self.cfg.to_dict())
+                                 dir=save_dir, mode=lg.wandb_mode, config=self.cfg.to_dict(),
+                                 **self._resume_args())
+
+    def _resume_args(self) -> dict:
+        """The wandb run id kept in --save, and resume="allow".
+
+        A resumed or re-run job thus continues its wandb run instead of opening a new one.
+        """
+        save = self.cfg.checkpoint.save
+        if not save:
+            return {}
+        path = os.path.join(save, WANDB_ID_FILE)
+        run_id = None
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                text = f.read(128).decode("ascii", errors="replace").strip()
+            run_id = text if text and text.replace("-", "").replace("_", "").isalnum() else None
+        if run_id is None:
+            # wandb's own id alphabet: lowercase letters and digits.
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
+                             for _ in range(8))
+            os.makedirs(save, exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(run_id + "\n")
+            os.replace(tmp, path)
+        return {"id": run_id, "resume": "allow"}
 
     def write(self, record: dict) -> None:
         """Writes one record to the JSONL file and wandb (not to stdout)."""

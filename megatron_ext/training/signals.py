@@ -10,11 +10,33 @@ flight on its side streams (ZenFlow's delayed gradients), stalling every iterati
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import torch
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What a save's helper processes must survive: the exit signals, and SIGINT (Ctrl-C reaches
+# the whole foreground process group).
+SHIELDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def shielded_helpers():
+    """Blocks the exit signals in this thread while a save forks its helper processes.
+
+    megatron-core's checkpoint writer forks worker processes. ``kill -TERM -- -PGID``,
+    ``scancel`` and Ctrl-C signal every process of the job, these workers too: killed,
+    they take the save at the signal with them. A forked child inherits the blocked mask,
+    so the workers finish their writes (and exit, discarding the pending signal); this
+    process receives a signal that arrived meanwhile when the mask is restored (recorded
+    by :class:`ExitSignalHandler`, or acted on as usual outside the loop).
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class ExitSignalHandler:

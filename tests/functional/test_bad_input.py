@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -35,11 +36,33 @@ def data(tmp_path_factory):
     subprocess.run([sys.executable, PRETRAIN, *BASE, *MOCK, *OFFLOAD,
                     "--save", str(root / "offload_ckpt")], cwd=ROOT, env=test_env(), check=True,
                    capture_output=True, timeout=120)
+    shutil.copytree(root / "offload_ckpt", root / "good_ckpt")
+    _more_data(root)
     state = sorted((root / "offload_ckpt").rglob("sg00000.state"))[0]
     data = bytearray(state.read_bytes())
     data[4096 + 8] ^= 0x01
     state.write_bytes(bytes(data))
     return root
+
+
+def _more_data(root):
+    """Damaged data files and 'latest' pointers (the cases after the first table)."""
+    rng = np.random.default_rng(1)
+    ok_idx, ok_bin = (root / "ok.idx").read_bytes(), (root / "ok.bin").read_bytes()
+    (root / "truncbin.idx").write_bytes(ok_idx)
+    (root / "truncbin.bin").write_bytes(ok_bin[:-10])
+    write_indexed_dataset(root / "long", [rng.integers(0, 100, 60).tolist() for _ in range(50)])
+    (root / "pastbin.idx").write_bytes((root / "long.idx").read_bytes())
+    (root / "pastbin.bin").write_bytes(ok_bin)
+    write_indexed_dataset(root / "other", [rng.integers(0, 100, 45).tolist() for _ in range(50)])
+    (root / "foreign.idx").write_bytes(ok_idx)
+    (root / "foreign.bin").write_bytes((root / "other.bin").read_bytes())
+    (root / "truncidx.idx").write_bytes(ok_idx[:-100])
+    (root / "truncidx.bin").write_bytes(ok_bin)
+    write_indexed_dataset(root / "small", [rng.integers(0, 100, 40).tolist() for _ in range(120)])
+    for name, text in (("ptr_nonascii", "\u0663".encode()), ("ptr_badutf8", b"\xff\xfe3")):
+        (root / name).mkdir()
+        (root / name / "latest_checkpointed_iteration.txt").write_bytes(text)
 
 
 def null_data(prefix):
@@ -114,8 +137,35 @@ CASES = {
         "shorter than --zenflow-update-interval 4"),
     "zenflow flag without zenflow": (lambda d: MOCK + ["--zenflow-topk-ratio", "0.2"],
                                      "--zenflow-topk-ratio needs --zenflow"),
+    "lr nan": (lambda d: MOCK + ["--lr", "nan"], "--lr nan: must be a finite number"),
+    "offload host cache nan": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "nan"],
+                               "--offload-host-cache-gb nan: must be a finite number"),
+    "offload host cache inf": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "inf"],
+                               "--offload-host-cache-gb inf: must be a finite number"),
+    "pointer not ascii": (lambda d: MOCK + ["--load", f"{d}/ptr_nonascii"],
+                          "not an iteration number"),
+    "pointer not utf-8": (lambda d: MOCK + ["--load", f"{d}/ptr_badutf8"],
+                          "not an iteration number"),
+    "checkpoint of another shape": (
+        lambda d: MOCK + OFFLOAD + ["--load", f"{d}/good_ckpt", "--num-layers", "3",
+                                    "--hidden-size", "128"],
+        "--num-layers 2 (this run: 3); --hidden-size 64 (this run: 128)"),
+    "checkpoint of another vocabulary": (
+        lambda d: ["--mock-data", "--vocab-size", "300", *OFFLOAD, "--load", f"{d}/good_ckpt"],
+        "padded vocabulary 128 (this run: 384"),
+    "use checkpoint args without load": (lambda d: MOCK + ["--use-checkpoint-args"],
+                                         "--use-checkpoint-args needs --load"),
+    "truncated bin": (lambda d: null_data(f"{d}/truncbin"),
+                      "truncbin.bin has 3990 bytes, its index describes 4000"),
+    "index points past the bin": (lambda d: null_data(f"{d}/pastbin"),
+                                  "the .bin is truncated or the pair does not belong together"),
+    "bin and index of two corpora": (lambda d: null_data(f"{d}/foreign"),
+                                     "the .bin is longer or the pair does not belong together"),
+    "truncated index": (lambda d: null_data(f"{d}/truncidx"), "truncidx.idx is truncated"),
+    "small corpus with the default split": (
+        lambda d: null_data(f"{d}/small"), "the test split of"),
     "zenflow resume of an offload checkpoint": (
-        lambda d: MOCK + ZENFLOW + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
+        lambda d: MOCK + ZENFLOW + ["--load", f"{d}/good_ckpt", "--train-iters", "4"],
         "saved by --offload-optimizer and this run uses --zenflow"),
     "offload run id an absolute path": (
         lambda d: MOCK + OFFLOAD + ["--offload-run-id", f"{d}/elsewhere"],

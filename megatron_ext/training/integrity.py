@@ -1,0 +1,413 @@
+"""Checkpoint integrity: a checksum of every file at save, all verified before a load.
+
+At save, after every rank has written its files (dist_checkpointing's ``.distcp`` shards,
+``.metadata``, ``common.pt``, ``metadata.json``, the random-number-generator files, the
+offload engine's state files and manifests), :func:`write_manifest` records the size and
+the xxh3-64 digest of each file in ``integrity.json`` inside the checkpoint, written
+atomically (temp name, fsync, rename) and last, before the checkpoint is renamed into
+place and the 'latest' pointer moves. Before anything of a checkpoint is read,
+:func:`verify` checks every file against it; damage of any kind (a flipped byte, a
+truncated, empty, missing or replaced file, a damaged manifest) is refused with one line
+that names the file and the newest older checkpoint under the same directory that still
+verifies. A checkpoint without a manifest (written before this format, or by Megatron-LM)
+loads as before, with a log line saying it was not verified.
+
+Hashing is shared out among the ranks (each hashes every world-size-th file, the results
+are gathered over the host group), so a large checkpoint costs one read of it in total.
+
+The pure logic (:func:`compare`, :func:`check_offload_manifest`) is apart from the I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import pickle
+import re
+from typing import Iterable, List, Optional, Tuple
+
+import xxhash
+
+from megatron_ext.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "integrity.json"
+FORMAT = "megatron_ext-integrity"
+VERSION = 1
+_CHUNK = 8 << 20
+FAULT_ENV = "MEGATRON_EXT_CHECKPOINT_FAULT"
+# Errors of the storage (not of the program) that a failed save reports in one line.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES,
+                  errno.EPERM, errno.ENOENT, errno.ESTALE}
+_STORAGE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system"
+                           r"|Input/output error|Permission denied")
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+class Faults:
+    """Faults injected by the test suite through ``MEGATRON_EXT_CHECKPOINT_FAULT``.
+
+    ``enospc:ITERATION``: the save of that iteration fails with ENOSPC after the model and
+    optimizer files are written (as a file system that fills during the save would).
+    """
+
+    def __init__(self, text: Optional[str] = None):
+        text = os.environ.get(FAULT_ENV, "") if text is None else text
+        self.rules = [part.split(":") for part in text.split(";") if part]
+
+    def check_save(self, iteration: int) -> None:
+        """Raises the injected ENOSPC at the save of ``iteration``."""
+        for rule in self.rules:
+            if rule[0] == "enospc" and len(rule) > 1 and int(rule[1]) == iteration:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
+
+
+def storage_error(exc: BaseException) -> Optional[str]:
+    """The storage failure behind ``exc`` in words (None when it is not one).
+
+    Looks through the exception's causes: dist_checkpointing's writer processes report an
+    OSError of theirs wrapped in other exceptions, or only as text.
+    """
+    seen = set()
+    pending = [exc]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, tuple):  # torch.distributed.checkpoint's (exception, traceback)
+            pending.extend(e for e in exc if isinstance(e, BaseException))
+            continue
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            where = f" ({exc.filename})" if exc.filename else ""
+            return f"{os.strerror(exc.errno)}{where}"
+        match = _STORAGE_TEXT.search(str(exc))
+        if match:
+            return match.group(0)
+        # torch.distributed.checkpoint's CheckpointException keeps each rank's failure.
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            pending.extend(failures.values())
+        pending.extend([exc.__cause__, exc.__context__])
+    return None
+
+
+def file_digest(path: str) -> Tuple[int, str]:
+    """(size, xxh3-64 hex digest) of a file, read in chunks."""
+    hasher = xxhash.xxh3_64()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            hasher.update(chunk)
+    return size, hasher.hexdigest()
+
+
+def list_files(directory: str) -> List[str]:
+    """Every file under ``directory`` (relative paths, sorted), the manifest excepted."""
+    found = []
+    for dirpath, dirnames, files in os.walk(directory):
+        dirnames.sort()
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), directory)
+            if rel != MANIFEST:
+                found.append(rel)
+    return sorted(found)
+
+
+def _gather(local: dict, group) -> dict:
+    """The union of every rank's dict (over the host group; as it is for one process)."""
+    import torch
+
+    if group is None or not torch.distributed.is_initialized() \
+            or torch.distributed.get_world_size(group) == 1:
+        return local
+    parts: List[Optional[dict]] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, local, group=group)
+    merged: dict = {}
+    for part in parts:
+        merged.update(part or {})
+    return merged
+
+
+def _digests(directory: str, names: Iterable[str], rank: int, world: int, group) -> dict:
+    """{name: [size, digest] or [None, error]} of ``names``, each rank hashing its share."""
+    local = {}
+    for i, name in enumerate(names):
+        if i % world != rank:
+            continue
+        try:
+            local[name] = list(file_digest(os.path.join(directory, name)))
+        except OSError as err:
+            local[name] = [None, err.strerror or str(err)]
+    return _gather(local, group)
+
+
+def _rank_world(group) -> Tuple[int, int]:
+    import torch
+
+    if group is None or not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+def write_manifest(directory: str, group=None) -> None:
+    """Records size and digest of every file of the checkpoint at ``directory``.
+
+    Collective over ``group`` (the host group; None for one process): call it on every
+    rank once all ranks have written their files. Rank 0 writes the manifest atomically.
+    """
+    rank, world = _rank_world(group)
+    names = list_files(directory)
+    digests = _digests(directory, names, rank, world, group)
+    if rank != 0:
+        return
+    files = {}
+    for name in names:
+        size, digest = digests[name]
+        if size is None:
+            raise OSError(errno.EIO, f"cannot read {name} to checksum it: {digest}",
+                          os.path.join(directory, name))
+        files[name] = {"size": size, "xxh3": digest}
+    manifest = {"format": FORMAT, "version": VERSION, "algorithm": "xxh3_64", "files": files}
+    path = os.path.join(directory, MANIFEST)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(directory: str) -> Optional[dict]:
+    """The manifest's ``files`` table, or None when the checkpoint has no manifest.
+
+    Raises:
+        ValueError: the manifest exists but is not a valid one (the reason in words).
+    """
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"cannot be read ({type(err).__name__})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError("is not an integrity manifest")
+    if manifest.get("version") != VERSION:
+        raise ValueError(f"has version {manifest.get('version')!r}, this program reads {VERSION}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int)
+            and isinstance(v.get("xxh3"), str) for v in files.values()):
+        raise ValueError("has no valid file table")
+    return files
+
+
+def compare(expected: dict, actual: dict) -> List[Tuple[str, str]]:
+    """(file, what is wrong) for each file whose size or digest differs. Pure.
+
+    ``expected``: the manifest's table {name: {"size", "xxh3"}}; ``actual``: {name: [size,
+    digest]} or [None, error text] for a file that cannot be read (missing).
+    """
+    problems = []
+    for name in sorted(expected):
+        want = expected[name]
+        size, digest = actual.get(name, [None, "missing"])
+        if size is None:
+            problems.append((name, digest if digest != "No such file or directory"
+                             else "missing"))
+        elif size != want["size"]:
+            problems.append((name, f"{size} bytes, {want['size']} were written"))
+        elif digest != want["xxh3"]:
+            problems.append((name, "content differs from what was written (checksum "
+                             "mismatch)"))
+    return problems
+
+
+def check_offload_manifest(data: bytes) -> Optional[str]:
+    """What is wrong with an offload engine manifest's bytes (None when well-formed). Pure."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return "not valid JSON"
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    for key, kind in (("step", int), ("rank", int), ("subgroups", list)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            return f"'{key}' missing or not a{'n integer' if kind is int else ' list'}"
+    for i, entry in enumerate(manifest["subgroups"]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) \
+                or entry.get("subgroup") != i or not isinstance(entry.get("elements"), int):
+            return f"subgroup entry {i} is malformed"
+        if os.path.basename(entry["file"]) != entry["file"]:
+            return f"subgroup entry {i} names a file outside its directory"
+    return None
+
+
+def _offload_problems(directory: str) -> List[Tuple[str, str]]:
+    """Problems of the offload engine's manifests under the checkpoint (its own format)."""
+    problems = []
+    for name in list_files(directory):
+        parts = name.split(os.sep)
+        if len(parts) < 2 or parts[-1] != "manifest.json" or "offload" not in parts[:-1]:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as err:
+            problems.append((name, err.strerror or str(err)))
+            continue
+        why = check_offload_manifest(data)
+        if why is None:
+            manifest = json.loads(data)
+            listed = len(manifest["subgroups"])
+            for entry in manifest["subgroups"]:
+                if not os.path.isfile(os.path.join(os.path.dirname(path), entry["file"])):
+                    why = f"lists {entry['file']}, which is missing"
+                    break
+            else:
+                present = [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".state")]
+                if len(present) > listed:
+                    why = f"lists {listed} subgroups, the directory holds {len(present)}"
+        if why:
+            problems.append((name, f"offload manifest: {why}"))
+    return problems
+
+
+def find_problems(directory: str, group=None) -> Tuple[Optional[bool], List[Tuple[str, str]]]:
+    """(has a manifest, [(file, problem)]) of the checkpoint at ``directory``. Collective.
+
+    The first element is None when the manifest itself is damaged (then the list names it).
+    """
+    rank, world = _rank_world(group)
+    try:
+        expected = read_manifest(directory)
+    except ValueError as err:
+        return None, [(MANIFEST, f"integrity manifest {err}")]
+    if expected is None:
+        return False, _offload_problems(directory)
+    actual = _digests(directory, sorted(expected), rank, world, group)
+    problems = compare(expected, actual)
+    if not problems:
+        problems = _offload_problems(directory)
+    return True, problems
+
+
+def previous_good(directory: str) -> Optional[Tuple[str, bool]]:
+    """The newest checkpoint older than ``directory`` beside it that verifies.
+
+    Returns:
+        (its path, whether it has a manifest), or None when there is none. Local to this
+        process (used on the error path only).
+    """
+    root = os.path.dirname(os.path.abspath(directory))
+    match = _ITER_DIR.match(os.path.basename(os.path.abspath(directory)))
+    current = int(match.group(1)) if match else None
+    candidates = []
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return None
+    for name in entries:
+        m = _ITER_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)) and (
+                current is None or int(m.group(1)) < current):
+            candidates.append((int(m.group(1)), name))
+    for _, name in sorted(candidates, reverse=True):
+        path = os.path.join(root, name)
+        has_manifest, problems = find_problems(path)
+        if not problems:
+            return path, bool(has_manifest)
+    return None
+
+
+def _advice(directory: str) -> str:
+    found = previous_good(directory)
+    if found is None:
+        return "no older checkpoint there verifies: start from scratch or restore a copy"
+    path, verified = found
+    iteration = int(_ITER_DIR.match(os.path.basename(path)).group(1))
+    tracker = os.path.join(os.path.dirname(path), "latest_checkpointed_iteration.txt")
+    return (f"the previous good checkpoint is {path}{'' if verified else ' (no manifest)'}: "
+            f"resume from it with 'echo {iteration} > {tracker}'")
+
+
+def verify(directory: str, group=None) -> bool:
+    """Checks every file of the checkpoint at ``directory`` before anything is loaded.
+
+    Collective over ``group`` (the host group; None for one process).
+
+    Returns:
+        True when verified against its manifest; False when it has none (loaded as before).
+
+    Raises:
+        UsageError: a file is damaged, missing or different; the line names it and the
+            previous checkpoint that verifies.
+    """
+    has_manifest, problems = find_problems(directory, group)
+    if problems:
+        name, what = problems[0]
+        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+        rank, world = _rank_world(group)
+        advice = _advice(directory) if rank == 0 else "see rank 0"
+        if world > 1:
+            # The others wait for rank 0's line: under torchrun, the first rank to exit
+            # makes the agent stop the rest, possibly before rank 0 has printed.
+            import torch
+
+            torch.distributed.barrier(group=group)
+        raise UsageError(f"--load {directory}: {os.path.join(directory, name)}: {what}{more}: "
+                         f"the checkpoint is damaged; {advice}")
+    if not has_manifest:
+        log.info("checkpoint %s has no %s (an older or Megatron-LM checkpoint): loading it "
+                 "without verifying its files", directory, MANIFEST)
+    return bool(has_manifest)
+
+
+# ----------------------------------------------------------------- safe deserialization
+
+def _numpy_safe_globals() -> list:
+    """The numpy types an RNG state (np.random.get_state()) pickles into."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_load(path: str, what: str):
+    """torch.load with weights_only=True (tensors, containers, numpy RNG states only).
+
+    Raises:
+        UsageError: the file holds other objects (which could run code when unpickled),
+            or it is truncated or not a torch file.
+    """
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"{path}: the {what} holds objects outside the allowed types, which "
+                         f"could run code when loaded; refusing it ({first[:200]})") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise UsageError(f"{path}: the {what} cannot be read ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:160] if str(err) else 'truncated'}); "
+                         "the checkpoint is damaged") from None

@@ -1,0 +1,97 @@
+"""The pure checks behind checkpoint integrity, the model-settings check and empty splits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from megatron_ext.config.sections import ModelConfig
+from megatron_ext.data.datasets import check_split_sizes
+from megatron_ext.errors import UsageError
+from megatron_ext.training import checkpoint_args, integrity
+
+EXPECTED = {"a": {"size": 3, "xxh3": "aa"}, "b": {"size": 5, "xxh3": "bb"}}
+
+
+@pytest.mark.parametrize("actual, problem", [
+    ({"a": [3, "aa"], "b": [5, "bb"]}, None),
+    ({"a": [3, "aa"]}, ("b", "missing")),
+    ({"a": [3, "aa"], "b": [None, "No such file or directory"]}, ("b", "missing")),
+    ({"a": [2, "aa"], "b": [5, "bb"]}, ("a", "2 bytes, 3 were written")),
+    ({"a": [3, "ab"], "b": [5, "bb"]}, ("a", "checksum mismatch")),
+    ({"a": [3, "aa"], "b": [None, "Permission denied"]}, ("b", "Permission denied")),
+])
+def test_compare(actual, problem):
+    found = integrity.compare(EXPECTED, actual)
+    if problem is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and found[0][0] == problem[0] and problem[1] in found[0][1]
+
+
+GOOD = {"step": 3, "rank": 0, "subgroups": [{"subgroup": 0, "elements": 4, "file": "sg0.state"}]}
+
+
+@pytest.mark.parametrize("data, problem", [
+    (json.dumps(GOOD).encode(), None),
+    (b"", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (json.dumps({**GOOD, "step": None}).encode(), "'step' missing"),
+    (json.dumps({**GOOD, "step": True}).encode(), "'step' missing"),
+    (json.dumps({**GOOD, "subgroups": {}}).encode(), "'subgroups' missing"),
+    (json.dumps({**GOOD, "subgroups": [{"subgroup": 1, "elements": 4, "file": "x"}]}).encode(),
+     "subgroup entry 0 is malformed"),
+    (json.dumps({**GOOD, "subgroups": [{"subgroup": 0, "elements": 4, "file": "../x"}]}).encode(),
+     "outside its directory"),
+])
+def test_check_offload_manifest(data, problem):
+    found = integrity.check_offload_manifest(data)
+    assert (found is None) if problem is None else (problem in found), found
+
+
+def test_settings_from_our_config_and_from_megatron_args():
+    ours = {"config": {"model": {"num_layers": 2, "hidden_size": 64, "disable_bias_linear": True}},
+            "padded_vocab_size": 128}
+    assert checkpoint_args.saved_settings(ours) == {"num_layers": 2, "hidden_size": 64,
+                                                    "disable_bias_linear": True,
+                                                    "padded_vocab_size": 128}
+    megatron = {"args": argparse.Namespace(num_layers=4, hidden_size=256, add_bias_linear=False,
+                                           padded_vocab_size=512, swiglu=True)}
+    saved = checkpoint_args.saved_settings(megatron)
+    assert saved["num_layers"] == 4 and saved["disable_bias_linear"] is True
+    assert saved["swiglu"] is True and saved["padded_vocab_size"] == 512
+    assert checkpoint_args.saved_settings({}) is None
+
+
+def test_differences_name_each_setting():
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    saved = {"num_layers": 3, "hidden_size": 64, "hidden_dropout": 0.0, "num_query_groups": 8,
+             "padded_vocab_size": 256}
+    diff = checkpoint_args.differences(saved, model, padded_vocab=128)
+    # dropout is no architecture; the group count is unused without GQA.
+    assert diff == ["--num-layers 3 (this run: 2)",
+                    "padded vocabulary 256 (this run: 128; --vocab-size / --tokenizer-model, "
+                    "--make-vocab-size-divisible-by)"]
+    new, taken = checkpoint_args.apply_settings({"config": {"model": saved}}, model, "ckpt")
+    assert new.num_layers == 3 and new.hidden_dropout == 0.0 and "num_layers=3" in taken
+
+
+@pytest.mark.parametrize("split, n, problem", [
+    ("969,30,1", 120, "the test split of p is empty"),
+    ("969,30,1", 300, "the test split of p is empty"),
+    ("969,30,1", 1000, None),
+    ("969,30,0", 120, None),
+    ("98,2", 120, None),
+    ("1,0,999", 120, "the train split of p is empty"),
+])
+def test_empty_split(split, n, problem):
+    lengths = [("p", np.full(n, 10, dtype=np.int32))]
+    if problem is None:
+        check_split_sizes(split, lengths)
+    else:
+        with pytest.raises(UsageError, match=problem):
+            check_split_sizes(split, lengths)
