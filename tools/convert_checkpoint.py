@@ -107,8 +107,16 @@ def _tokenizer_files(out_dir: str, model_path: str, hf_config: Dict) -> None:
     def piece(i):
         return sp.id_to_piece(i) if 0 <= i < sp.get_piece_size() else None
 
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
     config = {
         "tokenizer_class": "LlamaTokenizer",
+        # LlamaTokenizer prepends a space unless told otherwise; tools/train_tokenizer.py's
+        # models add no dummy prefix, and the ids must equal the SentencePiece model's.
+        "add_prefix_space": bool(proto.normalizer_spec.add_dummy_prefix),
         "bos_token": piece(sp.bos_id()), "eos_token": piece(sp.eos_id()),
         "unk_token": piece(sp.unk_id()), "pad_token": piece(sp.pad_id()),
         # megatron_ext tokenizes without BOS/EOS; the end of document is EOS.

@@ -234,3 +234,30 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
     os.replace(tmp, final)
     ckpt._write_atomic(os.path.join(root, ckpt.TRACKER), "0")
     return final
+
+
+def tokenizer_settings(common: dict, tokenizer_type: Optional[str] = None,
+                       tokenizer_model: Optional[str] = None) -> dict:
+    """The data-section fields of the tokenizer: the flags given, else the run's.
+
+    Raises:
+        UsageError: the run's tokenizer file is gone and no other is given.
+    """
+    saved = saved_sections(common).get("data", {})
+    kind = tokenizer_type or saved.get("tokenizer_type")
+    model = tokenizer_model or (saved.get("tokenizer_model") if not tokenizer_type else None)
+    if kind is None:
+        raise UsageError("the checkpoint records no tokenizer: give --tokenizer-type "
+                         "SentencePieceTokenizer --tokenizer-model FILE")
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        if not model:
+            raise UsageError(f"--tokenizer-type {kind} needs --tokenizer-model FILE")
+        if not os.path.isfile(model):
+            flag = "--tokenizer-model" if tokenizer_model else "the run's tokenizer model"
+            raise UsageError(f"{flag} {model}: file not found (give --tokenizer-model FILE)")
+        return {"tokenizer_type": kind, "tokenizer_model": model}
+    vocab = saved.get("vocab_size")
+    if not vocab:
+        raise UsageError("NullTokenizer needs the run's --vocab-size, which the checkpoint "
+                         "does not record")
+    return {"tokenizer_type": kind, "tokenizer_model": None, "vocab_size": vocab}

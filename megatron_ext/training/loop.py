@@ -316,8 +316,18 @@ class Trainer:
         """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
         cfg, rt = self.cfg, self.runtime
         train = cfg.training
+        if train.skip_train:
+            log.info("skipping training (--skip-train is on): evaluating at iteration %d",
+                     self.state.iteration)
+            self._log_eval()
+            return 0
+        if self.state.iteration >= train.train_iters:
+            # --train-iters 0, or a checkpoint at or past it: nothing to train; the
+            # evaluation below runs on the model as it is (Megatron-LM's behaviour).
+            log.info("no training: iteration %d, --train-iters %d", self.state.iteration,
+                     train.train_iters)
         loader = build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
-        data_iterator = iter(loader)
+        data_iterator = iter(loader) if loader is not None else None
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
         iters = 0
