@@ -98,7 +98,7 @@ def _layer_spec(cfg, config):
 
 
 def build_gpt_model(cfg, runtime, vocab_size: int):
-    """This rank's bare GPTModel stage (no wrappers), on the run's device.
+    """Builds this rank's bare GPTModel stage (no wrappers) on the run's device.
 
     Returns:
         (GPTModel, TransformerConfig)

@@ -111,10 +111,12 @@ class Shape:
 
     @property
     def head_dim(self) -> int:
+        """Channels per attention head."""
         return self.hidden_size // self.num_attention_heads
 
     @property
     def heads_per_group(self) -> int:
+        """Query heads that share one key/value head."""
         return self.num_attention_heads // self.num_query_groups
 
 

@@ -24,8 +24,9 @@ WEIGHTS_ONLY = "weights_only"
 
 
 def resolve_checkpoint(load: str) -> str:
-    """The iteration folder that ``load`` names: a --save root (its 'latest' pointer) or
-    an ``iter_NNNNNNN`` folder itself.
+    """The iteration folder that ``load`` names.
+
+    ``load`` is a --save root (its 'latest' pointer) or an ``iter_NNNNNNN`` folder.
 
     Raises:
         UsageError: neither.
