@@ -30,7 +30,7 @@ def test_sampling_is_seeded(finetuned_run):
             "--temperature", "5.0", "--top-k", "50", "--top-p", "0.99", "--device", "cpu"]
     first = call_tool(generate, *args, "--seed", "7")
     again = call_tool(generate, *args, "--seed", "7")
-    other = [call_tool(generate, *args, "--seed", str(s)).stdout for s in (1, 2, 3)]
+    other = [call_tool(generate, *args, "--seed", str(s)).stdout for s in (1, 2)]
     for run in (first, again):
         assert_ok(run)
     assert first.stdout == again.stdout
