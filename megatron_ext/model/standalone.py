@@ -247,6 +247,8 @@ def tokenizer_settings(common: dict, tokenizer_type: Optional[str] = None,
     saved = saved_sections(common).get("data", {})
     kind = tokenizer_type or saved.get("tokenizer_type")
     model = tokenizer_model or (saved.get("tokenizer_model") if not tokenizer_type else None)
+    if kind is None and saved.get("vocab_size"):
+        kind = "NullTokenizer"  # --mock-data --vocab-size N runs tokenize as NullTokenizer
     if kind is None:
         raise UsageError("the checkpoint records no tokenizer: give --tokenizer-type "
                          "SentencePieceTokenizer --tokenizer-model FILE")

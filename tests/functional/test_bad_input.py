@@ -116,6 +116,10 @@ CASES = {
     "zenflow resume of an offload checkpoint": (
         lambda d: MOCK + ZENFLOW + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
         "saved by --offload-optimizer and this run uses --zenflow"),
+    "skip train without evaluation": (lambda d: MOCK + ["--skip-train"],
+                                      "--skip-train only evaluates: give --eval-iters N > 0"),
+    "negative train iters": (lambda d: MOCK + ["--train-iters", "-1"],
+                             "--train-iters must be >= 0"),
 }
 
 

@@ -86,6 +86,18 @@ def test_hf_model_converts_in_finetunes_and_converts_back(finetuned_run, tmp_pat
     assert tokenizer.decode(hf_ids) + "\n" == ours_text
 
 
+def test_converted_checkpoint_needs_finetune(finetuned_run):
+    """A weights-only checkpoint has no optimizer or schedule to resume: plain --load is refused."""
+    proc = run_pretrain([*lib.flags_file(finetuned_run.ckpt_in), "--seq-length", "32", *lib.TRAIN,
+                         *lib.data_flags(finetuned_run.tokenizer, finetuned_run.prefix),
+                         "--load", str(finetuned_run.ckpt_in), "--train-iters", "2",
+                         "--log-interval", "1", "--eval-iters", "0"], check=False)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "add --finetune" in errors[0], proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout
+
+
 # Pure tests of the mapping tables (megatron_ext/model/hf.py).
 
 SHAPES = [  # (family, heads, query groups)
