@@ -201,3 +201,25 @@ def test_bad_input_is_one_line(tmp_path):
                        "unsupported Hugging Face architecture")
     assert_usage_error(call_tool(convert_checkpoint, "--from", "hf", "--input", tmp_path / "none",
                                  "--save", tmp_path / "c"), "--input")
+
+
+def test_model_settings_from_a_megatron_lm_args_namespace():
+    """A checkpoint whose common state has Megatron-LM's ``args`` only (no ``config``)."""
+    import argparse
+
+    from megatron_ext.model import standalone
+
+    args = argparse.Namespace(num_layers=3, hidden_size=32, num_attention_heads=4,
+                              ffn_hidden_size=96, seq_length=16, max_position_embeddings=16,
+                              normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                              position_embedding_type="rope", group_query_attention=True,
+                              num_query_groups=2, untie_embeddings_and_output_weights=True,
+                              micro_batch_size=2, lr=1e-3, tensor_model_parallel_size=2)
+    m = standalone.model_config({"args": args})
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_query_groups) == (3, 32, 96, 2)
+    assert m.disable_bias_linear and m.swiglu and hf.family_of(m) == "llama"
+    cfg = standalone.run_config({"args": args})
+    assert cfg.parallel.tensor_model_parallel_size == 1  # loaded whole, resharded
+    assert cfg.training.micro_batch_size == 2
+    with pytest.raises(UsageError, match="records no model settings"):
+        standalone.model_config({"checkpoint_version": 1})
