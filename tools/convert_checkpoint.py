@@ -21,13 +21,15 @@ writes a weights-only checkpoint (iteration 0) that pretrain_gpt.py fine-tunes f
 ``--load CKPT_DIR --finetune`` and the model flags this tool prints (the model shape,
 --normalization, --swiglu, --position-embedding-type, --disable-bias-linear,
 --untie-embeddings-and-output-weights, --group-query-attention/--num-query-groups,
---norm-epsilon, --rotary-base, --max-position-embeddings) and a tokenizer whose padded
+--norm-epsilon, --rotary-base, --max-position-embeddings, --hidden-dropout,
+--attention-dropout; also in CKPT_DIR/model_flags.txt) and a tokenizer whose padded
 vocabulary equals the checkpoint's (the HF vocabulary padded up to a multiple of
 --make-vocab-size-divisible-by).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -46,7 +48,8 @@ from megatron_ext.errors import UsageError  # noqa: E402
 def build_parser() -> ToolArgumentParser:
     parser = ToolArgumentParser(
         prog="convert_checkpoint.py",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="pretrain_gpt.py fine-tunes a converted checkpoint with --load CKPT_DIR "
                "--finetune and the model flags printed at the end of the conversion (also in "
                "CKPT_DIR/model_flags.txt).",
@@ -54,7 +57,7 @@ def build_parser() -> ToolArgumentParser:
     parser.add_argument("--load", metavar="CKPT_DIR",
                         help="--to hf: a --save directory (its latest checkpoint) or one "
                              "iter_NNNNNNN folder")
-    parser.add_argument("--to", choices=None, metavar="FORMAT",
+    parser.add_argument("--to", metavar="FORMAT",
                         help="convert --load to this format: hf")
     parser.add_argument("--output", metavar="HF_DIR", help="--to hf: the directory to write")
     parser.add_argument("--from", dest="from_format", metavar="FORMAT",
@@ -236,7 +239,8 @@ def model_flags(m) -> List[str]:
              "--num-attention-heads", m.num_attention_heads, "--ffn-hidden-size",
              m.ffn_hidden_size, "--max-position-embeddings", m.max_position_embeddings,
              "--normalization", m.normalization, "--norm-epsilon", m.norm_epsilon,
-             "--position-embedding-type", m.position_embedding_type]
+             "--position-embedding-type", m.position_embedding_type,
+             "--hidden-dropout", m.hidden_dropout, "--attention-dropout", m.attention_dropout]
     if m.position_embedding_type == "rope":
         flags += ["--rotary-base", m.rotary_base]
     if m.swiglu:

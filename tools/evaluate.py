@@ -16,6 +16,7 @@ Prints one line ``validation loss ... | perplexity ...`` to stdout, and with
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -33,7 +34,8 @@ from megatron_ext.errors import UsageError  # noqa: E402
 
 
 def build_parser() -> ToolArgumentParser:
-    parser = ToolArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
+    parser = ToolArgumentParser(prog="evaluate.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, metavar="CKPT_DIR",
                         help="a --save directory (its latest checkpoint) or one iter_NNNNNNN "
                              "folder")

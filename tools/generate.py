@@ -16,6 +16,7 @@ cache): meant for checking a model, not for serving it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -30,8 +31,6 @@ from megatron_ext.errors import UsageError  # noqa: E402
 
 
 def _probability(text: str) -> float:
-    import argparse
-
     try:
         value = float(text)
     except ValueError:
@@ -42,8 +41,6 @@ def _probability(text: str) -> float:
 
 
 def _positive_float(text: str) -> float:
-    import argparse
-
     try:
         value = float(text)
     except ValueError:
@@ -54,7 +51,8 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> ToolArgumentParser:
-    parser = ToolArgumentParser(prog="generate.py", description=__doc__.split("\n\n")[0])
+    parser = ToolArgumentParser(prog="generate.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, metavar="CKPT_DIR",
                         help="a --save directory (its latest checkpoint) or one iter_NNNNNNN "
                              "folder")
