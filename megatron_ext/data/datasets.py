@@ -99,7 +99,8 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
         _check_split(data.split)
     gbs = cfg.training.global_batch_size
     eval_samples = cfg.training.eval_iters * gbs
-    trains = cfg.training.train_iters > 0 and not cfg.training.skip_train
+    iters = cfg.training.train_iters
+    trains = not cfg.training.skip_train and (iters is None or iters > 0)
     sizes = [cfg.training.train_iters * gbs if trains else 0, eval_samples, eval_samples]
     cls = MockGPTDataset if data.mock_data else GPTDataset
     config = _dataset_config(cfg, tokenizer, runtime.dp)

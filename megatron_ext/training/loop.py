@@ -323,7 +323,8 @@ class Trainer:
             return 0
         if self.state.iteration >= train.train_iters:
             # --train-iters 0, or a checkpoint at or past it: nothing to train; the
-            # evaluation below runs on the model as it is (Megatron-LM's behaviour).
+            # evaluation below runs on the model as it is (as Megatron-LM does for a
+            # finished run).
             log.info("no training: iteration %d, --train-iters %d", self.state.iteration,
                      train.train_iters)
         loader = build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
