@@ -143,7 +143,9 @@ def to_hf(args) -> None:
     common = standalone.read_common(path)
     model_cfg = standalone.model_config(common)
     family = hf.family_of(model_cfg)
-    if os.path.exists(args.output) and os.listdir(args.output):
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ToolError(f"--output {args.output} is a file; give a new directory")
+    if os.path.isdir(args.output) and os.listdir(args.output):
         raise ToolError(f"--output {args.output} exists and is not empty; give a new directory")
     model, cfg, _, _ = standalone.load_model(path, device="cpu", fp32=True)
     state = {k: v for k, v in model.state_dict().items() if v is not None}
