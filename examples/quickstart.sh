@@ -9,7 +9,9 @@
 # 5. pretrains a small GPT with pretrain_gpt.py (CPU when there is no GPU) with its
 #    optimizer states offloaded to a host cache and files under $WORK/offload, printing the
 #    iteration breakdown, saving checkpoints, metrics JSONL and an offline wandb run,
-# 6. plots the metrics to breakdown.png with tools/plot_breakdown.py.
+# 6. plots the metrics to breakdown.png with tools/plot_breakdown.py,
+# 7. samples a continuation from the trained model (tools/generate.py) and exports it to
+#    Hugging Face transformers format in $WORK/hf (tools/convert_checkpoint.py --to hf).
 # Knobs (environment): QUICKSTART_DIR (default runs/quickstart), QUICKSTART_ITERS (150),
 # QUICKSTART_DOCS (1500 documents), PYTHON (python3).
 set -euo pipefail
@@ -96,6 +98,16 @@ OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --save-interval 50
 step "plot of the iteration breakdown"
 "$PY" tools/plot_breakdown.py "$WORK/metrics.jsonl" --output "$WORK/breakdown.png" \
     --title "quickstart: 4-layer GPT on the Python standard library"
+step "sampling from the trained model (tools/generate.py, greedy)"
+"$PY" tools/generate.py --load "$WORK/checkpoints" --prompt "import os
+import sys
+
+def " --max-new-tokens 48 --greedy | tee "$WORK/sample.txt"
+
+step "export to Hugging Face transformers (tools/convert_checkpoint.py --to hf)"
+rm -rf "$WORK/hf"
+"$PY" tools/convert_checkpoint.py --load "$WORK/checkpoints" --to hf --output "$WORK/hf"
 step "done"
 echo "checkpoints: $WORK/checkpoints   metrics: $WORK/metrics.jsonl   wandb: $WORK/wandb"
 echo "plot: $WORK/breakdown.png"
+echo "sample: $WORK/sample.txt   Hugging Face model: $WORK/hf (transformers.AutoModelForCausalLM)"

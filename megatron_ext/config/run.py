@@ -64,6 +64,9 @@ class RunConfig:
             raise UsageError("--data-path needs --tokenizer-type (and --tokenizer-model)")
         if ckpt.save_interval and not ckpt.save:
             raise UsageError("--save-interval needs --save DIR")
+        if self.training.skip_train:
+            # Megatron-LM: --skip-train enables --no-load-optim (nothing is trained).
+            ckpt.load_optim = False
         if ckpt.finetune and not ckpt.load:
             raise UsageError("--finetune needs --load DIR (the pretrained checkpoint)")
         opt = self.optimizer

@@ -277,17 +277,27 @@ class TrainingConfig:
     """Iterations (global batches) per evaluation; 0 disables evaluation."""
     log_interval: int = 100
     """Log the iteration breakdown every this many iterations."""
+    skip_train: bool = False
+    """Do not train: load --load (model weights; implies --no-load-optim), evaluate on
+    the validation split at the loaded iteration, and exit without saving (Megatron-LM's
+    flag). Needs --eval-iters > 0."""
 
     def __post_init__(self):
         _required(("--micro-batch-size", self.micro_batch_size))
-        if self.train_iters is None and getattr(self, "train_samples", None) is None:
+        if (self.train_iters is None and getattr(self, "train_samples", None) is None
+                and not self.skip_train):
             raise UsageError("the training length is required: give --train-iters N "
                              "(Megatron-LM has no default for it either)")
         if self.manual_gc_interval < 0:
             raise UsageError("--manual-gc-interval must be >= 0")
-        _positive(self, "micro_batch_size", "global_batch_size", "train_iters", "exit_interval",
+        _positive(self, "micro_batch_size", "global_batch_size", "exit_interval",
                   "exit_duration_in_mins",
                   "eval_interval", "log_interval", "loss_scale", "initial_loss_scale")
+        if self.train_iters is not None and self.train_iters < 0:
+            raise UsageError(f"--train-iters must be >= 0, got {self.train_iters} (0: no "
+                             "training, only the evaluation at the end with --eval-iters)")
+        if self.skip_train and self.eval_iters == 0:
+            raise UsageError("--skip-train only evaluates: give --eval-iters N > 0")
         if self.eval_iters < 0:
             raise UsageError("--eval-iters must be >= 0")
         if self.bf16 and self.fp16:

@@ -194,7 +194,9 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
             for _, prefix in parse_data_path(data.data_path)])
     gbs = cfg.training.global_batch_size
     eval_samples = cfg.training.eval_iters * gbs
-    sizes = [cfg.training.train_iters * gbs, eval_samples, eval_samples]
+    iters = cfg.training.train_iters
+    trains = not cfg.training.skip_train and (iters is None or iters > 0)
+    sizes = [cfg.training.train_iters * gbs if trains else 0, eval_samples, eval_samples]
     cls = MockGPTDataset if data.mock_data else GPTDataset
     config = _dataset_config(cfg, tokenizer, runtime.dp)
     try:
@@ -202,7 +204,7 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
             cls, sizes, lambda: True, config).build()
     except (AssertionError, ValueError) as err:
         raise UsageError(f"cannot build datasets from --data-path/--split: {err}")
-    if train is None or len(train) == 0:
+    if trains and (train is None or len(train) == 0):
         raise UsageError("the training split is empty: give the train part of --split a "
                          "non-zero share, or more data")
     return train, valid, test

@@ -178,16 +178,14 @@ def _layer_spec(cfg, config):
     return spec
 
 
-def build_model(cfg, runtime, vocab_size: int):
-    """Builds this rank's GPTModel stage, wrapped in Float16Module (bf16/fp16) and DDP.
+def build_gpt_model(cfg, runtime, vocab_size: int):
+    """Builds this rank's bare GPTModel stage (no wrappers) on the run's device.
 
     Returns:
-        (list of DDP-wrapped model chunks, TransformerConfig)
+        (GPTModel, TransformerConfig)
     """
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
 
     m, par = cfg.model, cfg.parallel
     for note in resolve_layers(m, transformer_engine_available())[2]:
@@ -209,8 +207,22 @@ def build_model(cfg, runtime, vocab_size: int):
     )
     if not runtime.is_cpu:
         model.cuda(torch.cuda.current_device())
+    return model, config
+
+
+def build_model(cfg, runtime, vocab_size: int):
+    """Builds this rank's GPTModel stage, wrapped in Float16Module (bf16/fp16) and DDP.
+
+    Returns:
+        (list of DDP-wrapped model chunks, TransformerConfig)
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    model, config = build_gpt_model(cfg, runtime, vocab_size)
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
+    par = cfg.parallel
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grads_in_fp32(cfg),
         overlap_grad_reduce=par.overlap_grad_reduce,

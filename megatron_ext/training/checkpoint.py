@@ -397,7 +397,13 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
     common = _read_common(path)
     if common.get("checkpoint_version") != FORMAT_VERSION:
         raise UsageError(f"--load {path}: not a megatron_ext checkpoint of format {FORMAT_VERSION}")
-    with_optimizer = ck.load_optim and not ck.finetune
+    # A weights-only checkpoint (tools/convert_checkpoint.py --from hf) has no optimizer,
+    # scheduler or data position to resume.
+    weights_only = bool(common.get("weights_only"))
+    if weights_only and not ck.finetune and not cfg.training.skip_train:
+        raise UsageError(f"--load {path}: this checkpoint holds model weights only (converted "
+                         "from Hugging Face); add --finetune to train from it")
+    with_optimizer = ck.load_optim and not ck.finetune and not weights_only
     if with_optimizer:
         saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg.to_dict())
         if saved != now:
@@ -427,7 +433,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
         # The fp32 masters were built from the initial weights: rebuild them from the
         # loaded ones.
         optimizer.reload_model_params()
-    if ck.finetune:
+    if ck.finetune or weights_only:
         return TrainState()
     if with_optimizer:
         # As Megatron-LM: the schedule is loaded with the optimizer (not with

@@ -392,19 +392,31 @@ class Trainer:
         """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
         cfg, rt = self.cfg, self.runtime
         train = cfg.training
+        if train.skip_train:
+            log.info("skipping training (--skip-train is on): evaluating at iteration %d",
+                     self.state.iteration)
+            self._log_eval()
+            return 0
+        if self.state.iteration > 0 and self.state.iteration >= train.train_iters:
+            # A re-run of a finished run: its final evaluation and checkpoint exist, and a
+            # second evaluation would only duplicate its records (Megatron-LM evaluates
+            # again). --skip-train evaluates a checkpoint on purpose.
+            log.info("iteration %d of --train-iters %d already reached: nothing to train",
+                     self.state.iteration, train.train_iters)
+            return 0
+        if self.state.iteration >= train.train_iters:
+            # --train-iters 0 from scratch: nothing to train; the evaluation below runs on
+            # the model as it is.
+            log.info("no training: iteration %d, --train-iters %d", self.state.iteration,
+                     train.train_iters)
         loader = build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
-        data_iterator = iter(loader)
+        data_iterator = iter(loader) if loader is not None else None
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
         iters = skipped = 0
         t_fb = t_opt = 0.0
         window = Stopwatch()
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
-        if self.state.iteration >= train.train_iters:
-            # A re-run of a finished run: its final evaluation and checkpoint exist.
-            log.info("iteration %d of --train-iters %d already reached: nothing to train",
-                     self.state.iteration, train.train_iters)
-            return 0
         self.eta = EtaClock(train.train_iters)
         log.info("start-up: done; training from iteration %d (the first iterations include "
                  "warm-up)", self.state.iteration + 1)

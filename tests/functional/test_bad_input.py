@@ -175,6 +175,10 @@ CASES = {
     "offload directory a planted symlink": (
         lambda d: MOCK + OFFLOAD + ["--offload-paths", _planted_offload_path(d) + "@1,1"],
         "is a symlink: refusing to follow it"),
+    "skip train without evaluation": (lambda d: MOCK + ["--skip-train"],
+                                      "--skip-train only evaluates: give --eval-iters N > 0"),
+    "negative train iters": (lambda d: MOCK + ["--train-iters", "-1"],
+                             "--train-iters must be >= 0"),
 }
 
 

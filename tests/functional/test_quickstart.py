@@ -7,6 +7,7 @@ is: no .venv created or activated, nothing installed (no network needed).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -26,10 +27,11 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     work = tmp_path / "qs"
     env = {**os.environ, "PYTHON": sys.executable, "QUICKSTART_DIR": str(work),
            "QUICKSTART_ITERS": str(ITERS), "QUICKSTART_DOCS": "300", "WANDB_MODE": "offline",
-           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "PYTHONUNBUFFERED": "1"}
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "PYTHONUNBUFFERED": "1",
+           "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", str(ROOT / "examples" / "quickstart.sh")], cwd=tmp_path,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=400)
+                          text=True, timeout=500)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     assert "already has the requirements" in out, out[:2000]
@@ -61,3 +63,18 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     # values).
     assert (width, height) == (1210, round((0.8 + 2.4 * 10) * 110))
     assert f"plot: {work}/breakdown.png" in out
+
+    # It sampled from the model it trained and exported it for transformers.
+    # (After 12 iterations the greedy continuation may be whitespace only: any text will do.)
+    sample = (work / "sample.txt").read_text()
+    assert len(sample) > 1 and sample.endswith("\n") and "sampling from the trained model" in out
+    hf_dir = work / "hf"
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 4096
+    assert (hf_dir / "tokenizer.model").read_bytes() == (work / "tokenizer.model").read_bytes()
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True)
+    assert model.config.num_hidden_layers == 4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    assert tokenizer.decode(tokenizer("def main():")["input_ids"]) == "def main():"

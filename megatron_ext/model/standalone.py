@@ -1,0 +1,266 @@
+"""A checkpoint's full model in one process (TP=1, PP=1), for the tools.
+
+The tools (convert, generate, evaluate) read a checkpoint of any saved TP/PP layout:
+megatron-core's dist_checkpointing reshards on load, so a TP=1 PP=1 GPTModel built from
+the checkpoint's own model settings loads it whole. The settings come from the
+checkpoint's common state: this project's ``config`` (the RunConfig as nested dicts), or
+a Megatron-LM ``args`` namespace where only that exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from megatron_ext.errors import UsageError
+
+# The common-state marker of a checkpoint that holds model weights only (no optimizer,
+# scheduler or data position), e.g. one converted from Hugging Face.
+WEIGHTS_ONLY = "weights_only"
+
+
+def resolve_checkpoint(load: str) -> str:
+    """The iteration folder that ``load`` names.
+
+    ``load`` is a --save root (its 'latest' pointer) or an ``iter_NNNNNNN`` folder.
+
+    Raises:
+        UsageError: neither.
+    """
+    from megatron_ext.training import checkpoint as ckpt
+
+    if not os.path.isdir(load):
+        raise UsageError(f"--load {load}: no such directory")
+    if os.path.isfile(os.path.join(load, "metadata.json")):
+        return load
+    iteration = ckpt.read_tracker(load)
+    if iteration is None:
+        raise UsageError(f"--load {load}: not a checkpoint (no {ckpt.TRACKER} and no "
+                         "metadata.json); give the --save directory of a run")
+    path = ckpt.checkpoint_name(load, iteration)
+    if not os.path.isdir(path):
+        raise UsageError(f"--load {load}: {ckpt.TRACKER} names iteration {iteration} but "
+                         f"{path} does not exist")
+    return path
+
+
+def read_common(path: str) -> dict:
+    """The common state of the checkpoint at ``path`` (an iteration folder)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is bad input here
+        raise UsageError(f"--load {path}: cannot read the checkpoint's common state ({err})")
+
+
+def _args_dict(common: dict) -> Optional[dict]:
+    """Megatron-LM's saved ``args`` as a dict, or None."""
+    args = common.get("args")
+    if args is None:
+        return None
+    return dict(args) if isinstance(args, dict) else dict(vars(args))
+
+
+def saved_sections(common: dict) -> dict:
+    """The run's config sections as dicts, from ``config`` or Megatron-LM's ``args``.
+
+    Raises:
+        UsageError: the checkpoint records no model settings.
+    """
+    from megatron_ext.config.run import RunConfig
+
+    if isinstance(common.get("config"), dict) and "model" in common["config"]:
+        return common["config"]
+    args = _args_dict(common)
+    if args is None:
+        raise UsageError("the checkpoint records no model settings (no 'config' or 'args' in "
+                         "its common state); it was not written by megatron_ext or Megatron-LM")
+    sections = {}
+    for section in dataclasses.fields(RunConfig):
+        names = {f.name for f in dataclasses.fields(section.default_factory)}
+        sections[section.name] = {k: v for k, v in args.items() if k in names}
+    # Megatron-LM keeps the positive form of these switches.
+    if "add_bias_linear" in args:
+        sections["model"]["disable_bias_linear"] = not args["add_bias_linear"]
+    return sections
+
+
+def _section(cls, values: dict, **overrides):
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in (values or {}).items() if k in names}
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def model_config(common: dict):
+    """The ModelConfig the checkpoint was trained with."""
+    from megatron_ext.config.sections import ModelConfig
+
+    return _section(ModelConfig, saved_sections(common)["model"])
+
+
+def run_config(common: dict, *, device: str = "cpu", fp32: bool = True, data: Optional[dict] = None,
+               training: Optional[dict] = None, load: Optional[str] = None):
+    """A RunConfig for one process from the checkpoint's settings.
+
+    Model, training (batch sizes, seed, evaluation) and data settings are the run's;
+    parallelism is TP=1 PP=1, the plain optimizer, no offload or ZenFlow, no logging
+    backends. ``data`` and ``training`` override fields of those sections; without
+    ``data`` the run is on mock data (the model's users need no corpus).
+    """
+    from megatron_ext.config import sections as s
+    from megatron_ext.config.run import RunConfig
+
+    saved = saved_sections(common)
+    # Values a checkpoint without a training section (a converted one) still needs.
+    train = {"micro_batch_size": 1, "train_iters": 1, **saved.get("training", {})}
+    if fp32:
+        train.update(bf16=False, fp16=False)
+    train.update(training or {})
+    if data is None:
+        vocab = saved.get("data", {}).get("vocab_size") or 1
+        data = {"mock_data": True, "data_path": [], "tokenizer_type": None,
+                "tokenizer_model": None, "vocab_size": vocab}
+    data_values = {**saved.get("data", {}), **data}
+    return RunConfig(
+        model=_section(s.ModelConfig, saved["model"]),
+        parallel=s.ParallelConfig(),
+        training=_section(s.TrainingConfig, train),
+        optimizer=_section(s.OptimizerConfig, {"lr": 1e-4, **saved.get("optimizer", {})},
+                           optimizer_cpu_offload=False),
+        data=_section(s.DataConfig, data_values),
+        checkpoint=s.CheckpointConfig(load=load),
+        logging=s.LoggingConfig(wandb_mode="disabled"),
+        runtime=s.RuntimeConfig(device=device),
+    )
+
+
+def saved_vocab_size(path: str) -> int:
+    """The (padded) vocabulary size of the checkpoint's embedding, from its metadata."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(path)
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key in metadata:
+            return int(metadata[key].global_shape[0])
+    raise UsageError(f"--load {path}: the checkpoint holds no embedding weights")
+
+
+def initialize_single(cfg):
+    """torch.distributed and megatron-core's parallel state for this one process."""
+    from megatron_ext.runtime.distributed import initialize, read_process_env
+
+    _, world, _ = read_process_env()
+    if world != 1:
+        raise UsageError("the tools run as one process (not under torchrun); any saved TP/PP "
+                         "layout is resharded into it")
+    return initialize(cfg)
+
+
+def build_bare_model(cfg, runtime, vocab_size: int):
+    """The full GPTModel (TP=1, PP=1) of ``cfg``, in eval mode."""
+    from megatron_ext.model.build import build_gpt_model
+
+    model, _ = build_gpt_model(cfg, runtime, vocab_size)
+    if cfg.training.bf16:
+        model = model.to(torch.bfloat16)
+    elif cfg.training.fp16:
+        model = model.to(torch.float16)
+    return model.eval()
+
+
+def load_weights(model, path: str) -> None:
+    """Loads the model weights of the checkpoint at ``path`` into ``model`` (any layout)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    except Exception as err:  # noqa: BLE001 - a shape or key mismatch is the user's input
+        raise UsageError(f"--load {path}: the checkpoint's weights do not fit the model its "
+                         f"settings describe ({str(err).splitlines()[0][:300]})")
+    model.load_state_dict(loaded["model"])
+
+
+def load_model(load: str, device: str = "cpu", fp32: bool = True):
+    """The full model of a checkpoint, ready for inference.
+
+    Returns:
+        (GPTModel, RunConfig, Runtime, common state)
+    """
+    path = resolve_checkpoint(load)
+    common = read_common(path)
+    cfg = run_config(common, device=device, fp32=fp32)
+    cfg.check_world(1)
+    runtime = initialize_single(cfg)
+    model = build_bare_model(cfg, runtime, saved_vocab_size(path))
+    load_weights(model, path)
+    return model, cfg, runtime, common
+
+
+def save_weights_checkpoint(model, cfg, root: str) -> str:
+    """Saves ``model`` as a weights-only checkpoint (iteration 0) under ``root``.
+
+    pretrain_gpt.py loads it with ``--load ROOT --finetune`` (and the model flags the
+    config holds). Written to a temporary folder and renamed, then the pointer.
+
+    Returns:
+        the iteration folder.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.training import checkpoint as ckpt
+
+    final = ckpt.checkpoint_name(root, 0)
+    tmp = final + ".tmp"
+    os.makedirs(root, exist_ok=True)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    state = {
+        "model": model.sharded_state_dict(),
+        "checkpoint_version": ckpt.FORMAT_VERSION,
+        "train_state": dataclasses.asdict(ckpt.TrainState()),
+        "config": {"model": dataclasses.asdict(cfg.model)},
+        "world_size": 1,
+        WEIGHTS_ONLY: True,
+    }
+    dist_checkpointing.save(state, tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    ckpt._write_atomic(os.path.join(root, ckpt.TRACKER), "0")
+    return final
+
+
+def tokenizer_settings(common: dict, tokenizer_type: Optional[str] = None,
+                       tokenizer_model: Optional[str] = None) -> dict:
+    """The data-section fields of the tokenizer: the flags given, else the run's.
+
+    Raises:
+        UsageError: the run's tokenizer file is gone and no other is given.
+    """
+    saved = saved_sections(common).get("data", {})
+    kind = tokenizer_type or saved.get("tokenizer_type")
+    model = tokenizer_model or (saved.get("tokenizer_model") if not tokenizer_type else None)
+    if kind is None and saved.get("vocab_size"):
+        kind = "NullTokenizer"  # --mock-data --vocab-size N runs tokenize as NullTokenizer
+    if kind is None:
+        raise UsageError("the checkpoint records no tokenizer: give --tokenizer-type "
+                         "SentencePieceTokenizer --tokenizer-model FILE")
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        if not model:
+            raise UsageError(f"--tokenizer-type {kind} needs --tokenizer-model FILE")
+        if not os.path.isfile(model):
+            flag = "--tokenizer-model" if tokenizer_model else "the run's tokenizer model"
+            raise UsageError(f"{flag} {model}: file not found (give --tokenizer-model FILE)")
+        return {"tokenizer_type": kind, "tokenizer_model": model}
+    vocab = saved.get("vocab_size")
+    if not vocab:
+        raise UsageError("NullTokenizer needs the run's --vocab-size, which the checkpoint "
+                         "does not record")
+    return {"tokenizer_type": kind, "tokenizer_model": None, "vocab_size": vocab}
