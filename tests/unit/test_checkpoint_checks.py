@@ -68,7 +68,8 @@ def test_settings_from_our_config_and_from_megatron_args():
 
 
 def test_differences_name_each_setting():
-    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                        max_position_embeddings=32)
     saved = {"num_layers": 3, "hidden_size": 64, "hidden_dropout": 0.0, "num_query_groups": 8,
              "padded_vocab_size": 256}
     diff = checkpoint_args.differences(saved, model, padded_vocab=128)
