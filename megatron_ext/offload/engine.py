@@ -398,16 +398,16 @@ class OffloadEngine:
             self._move_down(index)
         if not self.device_sized:
             self.device_sized = True
-            log.warning("offload: rank %d device tier (auto): %d of %d subgroups, %.2f GB "
-                        "(device memory %.2f GB, peak besides it %.2f GB, reserve %.2f GB)",
+            log.info("offload: rank %d device tier (auto): %d of %d subgroups, %s GB "
+                        "(device memory %s GB, peak besides it %s GB, reserve %s GB)",
                         self.rank, len(self.device_members), len(self.subgroups),
-                        self.device_bytes() / 1e9, limit / 1e9,
-                        max(0, peak - self.device_bytes()) / 1e9, reserve / 1e9)
+                        _gb(self.device_bytes()), _gb(limit),
+                        _gb(max(0, peak - self.device_bytes())), _gb(reserve))
         elif leaving:
-            log.warning("offload: rank %d device tier gives back %d subgroups (%.2f GB) to the "
-                        "host: the peak grew to %.2f GB; it keeps %d (%.2f GB)", self.rank,
-                        len(leaving), sum(self.sizes[i] for i in leaving) / 1e9, peak / 1e9,
-                        len(self.device_members), self.device_bytes() / 1e9)
+            log.warning("offload: rank %d device tier gives back %d subgroups (%s GB) to the "
+                        "host: the peak grew to %s GB; it keeps %d (%s GB)", self.rank,
+                        len(leaving), _gb(sum(self.sizes[i] for i in leaving)), _gb(peak),
+                        len(self.device_members), _gb(self.device_bytes()))
 
     def _promotion_order(self) -> List[int]:
         """Subgroups to move up, most wanted first.

@@ -935,7 +935,7 @@ def resize_device_tier(members: Sequence[int], sizes: Sequence[int], budget_byte
         if index in members:
             continue
         if used + sizes[index] > budget_bytes:
-            break
+            continue
         joining.append(index)
         used += sizes[index]
     return joining, []
