@@ -248,6 +248,10 @@ class OffloadEngine:
                                                   device=device) for _ in range(2)]
                 self._sh2d = torch.cuda.Stream(device)
                 self._sd2h = torch.cuda.Stream(device)
+        if self.is_cuda and self.device_auto:
+            # megatron-core's optimizer made fp32 masters of the whole shard on the device
+            # and the base class freed them: that transient is no training peak.
+            torch.cuda.reset_peak_memory_stats(device)
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
