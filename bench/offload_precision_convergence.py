@@ -43,6 +43,7 @@ VARIANTS = {
 
 
 def run(cmd, env=None) -> None:
+    """Runs ``cmd`` in the repository root, echoing it; fails on a non-zero exit."""
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
 
@@ -66,6 +67,7 @@ def build_corpus(work: str, docs: int) -> str:
 
 
 def main() -> None:
+    """Builds the corpus, runs every seed and variant, prints and writes the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", default="runs/precision")
     parser.add_argument("--output", default="runs/precision/results.json")
