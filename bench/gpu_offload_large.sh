@@ -40,7 +40,10 @@ EXTRA=()
 case "$TIERS" in
   device)
     PATHS="${PATHS:-}"
-    EXTRA+=(--offload-device-cache-gb auto --offload-device-reserve-gb "${DEVICE_RESERVE_GB:-4}")
+    # DEVICE_GB: a fixed device tier instead of auto (needed when the host cache and the
+    # paths cannot hold every subgroup before the first step sizes an auto tier).
+    EXTRA+=(--offload-device-cache-gb "${DEVICE_GB:-auto}"
+            --offload-device-reserve-gb "${DEVICE_RESERVE_GB:-4}")
     [ -n "${CACHE_GB:-}" ] && EXTRA+=(--offload-host-cache-gb "$CACHE_GB")
     [ "${GPU_UPDATE:-1}" = 0 ] && EXTRA+=(--no-offload-gpu-update) ;;
   host)

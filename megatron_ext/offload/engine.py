@@ -210,7 +210,16 @@ class OffloadEngine:
             # Room for the recycled spares and one temporary file per path besides the states.
             reserve = (SPARES_PER_SIZE + 1) * max(self.sizes, default=0)
             free = [max(0, check_free_space(t.path, 0) - reserve) for t in self.tiers]
-            self.home = self._place(weights, free)
+            try:
+                self.home = self._place(weights, free)
+            except TierFullError as err:
+                if not self.device_auto:
+                    raise
+                raise TierFullError(
+                    f"{err}; with --offload-device-cache-gb auto the host cache and the paths "
+                    "must hold every subgroup until the first step sizes the device tier: "
+                    "give the device tier a size in GB instead", err.needed_bytes,
+                    err.free_bytes) from None
             self.rebalancer = (Rebalancer(weights) if cfg.offload_rebalance and len(self.tiers) > 1
                                else None)
         else:
