@@ -88,7 +88,8 @@ class RunConfig:
                              "FusedAdam, which this project does not wire; add "
                              "--offload-optimizer or drop the flag")
         if self.zenflow.zenflow and (opt.use_precision_aware_optimizer
-                                     or self.offload.offload_device_cache_gb != "0"):
+                                     or self.offload.device_cache_auto
+                                     or self.offload.device_cache_bytes() > 0):
             raise UsageError("--zenflow keeps its own GPU states: --use-precision-aware-optimizer "
                              "and --offload-device-cache-gb apply to --offload-optimizer alone")
         if self.zenflow.zenflow:
