@@ -116,6 +116,9 @@ CASES = {
     "zenflow resume of an offload checkpoint": (
         lambda d: MOCK + ZENFLOW + ["--load", f"{d}/offload_ckpt", "--train-iters", "4"],
         "saved by --offload-optimizer and this run uses --zenflow"),
+    "precision-aware optimizer without offload": (
+        lambda d: MOCK + ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
+        "honoured by --offload-optimizer only"),
 }
 
 
