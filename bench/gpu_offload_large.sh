@@ -1,39 +1,98 @@
 #!/usr/bin/env bash
-# The largest GPT this engine trains on one H200 machine (125 GiB RAM, 64 GiB free disk):
-# MODEL=13b (40 layers, hidden 5120, 40 heads: ~12.9B parameters, ~154 GB of fp32 master
-# and Adam moments) or MODEL=6.7b (32 layers, hidden 4096), seq 2048, micro-batch 1, bf16,
-# distributed optimizer, mock data, every optimizer state off the GPU (--offload-optimizer).
-# 154 GB of state exceed the root disk's free space (~65 GB): the host cache (CACHE_GB,
-# pinned) keeps the subgroups that the disk cannot hold, without a file (the engine's rule
-# when the paths are too small), and three more buffers for the pipeline. PATHS can add
-# other directories (DIR@READ,WRITE ...). Writes $OUT/gpt-$MODEL.{jsonl,txt} and
-# $OUT/memory.txt (free -g and the disk every 15 s).
+# The largest GPTs this engine trains on one H200 machine (139 GiB GPU, 125 GiB RAM, 64 GiB
+# free disk, 16 cores): bf16, distributed optimizer, mock data, seq 2048, every fp32 master
+# and Adam moment in the offload engine's hierarchy of tiers (--offload-optimizer).
+#
+# MODEL (parameters with the 32k vocabulary; fp32 state = 12 bytes per parameter):
+#   13b    40 layers, hidden 5120, 40 heads:  12.76B, 153 GB of state
+#   6.7b   32 layers, hidden 4096, 32 heads:   6.6B,   79 GB
+#   16b    36 layers, hidden 6144, 48 heads:  16.5B,  198 GB (fp32), 132 GB (MOMENTS=bf16)
+#   18b    40 layers, hidden 6144, 48 heads:  18.3B,  219 GB (fp32), 146 GB (MOMENTS=bf16)
+# TIERS:
+#   device (default)  --offload-device-cache-gb auto (GPU memory left after the measured
+#                     forward+backward peak and DEVICE_RESERVE_GB), the rest in the pinned
+#                     host cache (CACHE_GB if given, else all of it), PATHS only if given;
+#                     streamed GPU update of host subgroups on (GPU_UPDATE=0: off)
+#   host              the old layout: no device tier, CACHE_GB (default 100) pinned + PATHS
+#                     (default the root disk)
+# MOMENTS=bf16: --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+# (8 bytes per element instead of 12; MOMENTS=fp32, the default: exact fp32 states).
+# GBS (global batch, default 64) of MBS (micro-batch, default 1) sequences of 2048;
+# RECOMPUTE=1 (default) recomputes whole layers (the activations of one micro-batch of the
+# 13B without it: ~15 GB, taken from the device tier). --grad-reduce-in-bf16 is passed when
+# this build has it (bf16 gradient buffer: 2 bytes per parameter instead of 4).
+# Writes $OUT/gpt-$MODEL.{jsonl,txt} and $OUT/memory.txt (free -g, disk, nvidia-smi every 15 s).
 # Usage (repository root, on the GPU machine; carry .whl):
-#   OUT=/dir MODEL=13b ITERS=3 bash bench/gpu_offload_large.sh
-# Host memory for 13B: ~100 GB of pinned cache + the process (~8 GB) of 125 GiB.
+#   OUT=/dir MODEL=13b ITERS=4 bash bench/gpu_offload_large.sh
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 MODEL="${MODEL:-13b}"
 case "$MODEL" in
   13b) SHAPE=(--num-layers 40 --hidden-size 5120 --num-attention-heads 40) ;;
   6.7b) SHAPE=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32) ;;
-  *) echo "MODEL must be 13b or 6.7b"; exit 2 ;;
+  16b) SHAPE=(--num-layers 36 --hidden-size 6144 --num-attention-heads 48) ;;
+  18b) SHAPE=(--num-layers 40 --hidden-size 6144 --num-attention-heads 48) ;;
+  *) echo "MODEL must be 13b, 6.7b, 16b or 18b"; exit 2 ;;
 esac
+TIERS="${TIERS:-device}"
 TIER="${TIER:-/var/tmp/offload-tier}"
-PATHS="${PATHS:-$TIER}"
-mkdir -p "$TIER"
-( while true; do { date -u +%H:%M:%S; free -g | sed -n 2p; df -h "$TIER" | tail -1; } \
-    >> "$OUT/memory.txt"; sleep 15; done ) &
+EXTRA=()
+case "$TIERS" in
+  device)
+    PATHS="${PATHS:-}"
+    # DEVICE_GB: a fixed device tier instead of auto (needed when the host cache and the
+    # paths cannot hold every subgroup before the first step sizes an auto tier).
+    EXTRA+=(--offload-device-cache-gb "${DEVICE_GB:-auto}"
+            --offload-device-reserve-gb "${DEVICE_RESERVE_GB:-4}")
+    [ -n "${CACHE_GB:-}" ] && EXTRA+=(--offload-host-cache-gb "$CACHE_GB")
+    [ "${GPU_UPDATE:-1}" = 0 ] && EXTRA+=(--no-offload-gpu-update) ;;
+  host)
+    PATHS="${PATHS:-$TIER}"
+    EXTRA+=(--offload-host-cache-gb "${CACHE_GB:-100}" --no-offload-gpu-update) ;;
+  *) echo "TIERS must be device or host"; exit 2 ;;
+esac
+if [ -n "$PATHS" ]; then
+  mkdir -p "$TIER"
+  EXTRA+=(--offload-paths $PATHS --offload-direct-io --offload-io-threads 8)
+fi
+case "${MOMENTS:-fp32}" in
+  fp32) ;;
+  bf16) EXTRA+=(--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16) ;;
+  *) echo "MOMENTS must be fp32 or bf16"; exit 2 ;;
+esac
+[ "${RECOMPUTE:-1}" = 1 ] && EXTRA+=(--recompute-granularity full --recompute-method uniform \
+                                     --recompute-num-layers 1)
+if python3 pretrain_gpt.py --help 2>/dev/null | grep -q -- "--grad-reduce-in-bf16"; then
+  EXTRA+=(--grad-reduce-in-bf16)
+fi
+( while true; do { date -u +%H:%M:%S; free -g | sed -n 2p; df -h "${TIER%/*}" | tail -1
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader; } >> "$OUT/memory.txt"
+    sleep 15; done ) &
 MONITOR=$!
-timeout "${LIMIT:-480}" python3 pretrain_gpt.py "${SHAPE[@]}" --seq-length 2048 \
-    --max-position-embeddings 2048 --micro-batch-size 1 --mock-data --vocab-size 32000 \
-    --bf16 --grad-reduce-in-bf16 --lr-decay-style cosine --num-workers 0 \
-    --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 \
-    --log-interval 1 --eval-iters 0 --wandb-mode disabled --hidden-dropout 0 \
-    --attention-dropout 0 --offload-optimizer --offload-paths $PATHS \
-    --offload-host-cache-gb "${CACHE_GB:-100}" --offload-direct-io \
-    --offload-io-threads 8 --train-iters "${ITERS:-3}" --metrics-path "$OUT/gpt-$MODEL.jsonl" \
+set -x
+timeout "${LIMIT:-540}" python3 pretrain_gpt.py "${SHAPE[@]}" --seq-length 2048 \
+    --max-position-embeddings 2048 --micro-batch-size "${MBS:-1}" \
+    --global-batch-size "${GBS:-64}" --mock-data --vocab-size 32000 \
+    --bf16 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 \
+    --lr-decay-style cosine --num-workers 0 --log-interval 1 --eval-iters 0 --eval-interval 1000 \
+    --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 --offload-optimizer \
+    "${EXTRA[@]}" --train-iters "${ITERS:-4}" --metrics-path "$OUT/gpt-$MODEL.jsonl" \
     2>&1 | grep -v "UserWarning\|warnings.warn\|return func" | tee "$OUT/gpt-$MODEL.txt" | tail -25
 echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpt-$MODEL.txt"
+set +x
 kill $MONITOR
 tail -4 "$OUT/memory.txt"
+# Step time against its own forward+backward (the target: within 1.25x).
+python3 - "$OUT/gpt-$MODEL.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "time/iteration_s" in r]
+for r in rows[1:]:
+    step = r["time/iteration_s"]
+    fb = sum(r.get(k, 0.0) for k in ("time/forward_s", "time/backward_s"))
+    keys = {k: r[k] for k in r if k.startswith(("offload/device", "offload/stream",
+                                                  "offload/update", "offload/stall",
+                                                  "memory/"))}
+    print("iteration", r.get("iteration"), "step s", step, "fwd+bwd s", round(fb, 3),
+          "ratio", round(step / fb, 3) if step and fb else None, keys)
+EOF

@@ -85,6 +85,16 @@ class RunConfig:
                                  "offloads of the same states; choose one")
             if opt.optimizer != "adam":
                 raise UsageError("--offload-optimizer supports --optimizer adam only")
+        if opt.use_precision_aware_optimizer and not self.offload.offload_optimizer:
+            raise UsageError("--use-precision-aware-optimizer is honoured by --offload-optimizer "
+                             "only: megatron-core implements it with Transformer Engine's "
+                             "FusedAdam, which this project does not wire; add "
+                             "--offload-optimizer or drop the flag")
+        if self.zenflow.zenflow and (opt.use_precision_aware_optimizer
+                                     or self.offload.device_cache_auto
+                                     or self.offload.device_cache_bytes() > 0):
+            raise UsageError("--zenflow keeps its own GPU states: --use-precision-aware-optimizer "
+                             "and --offload-device-cache-gb apply to --offload-optimizer alone")
         if self.zenflow.zenflow:
             if not self.parallel.use_distributed_optimizer:
                 raise UsageError("--zenflow splits the distributed optimizer's shard between the "

@@ -74,6 +74,14 @@ class HostCache:
         """Returns a buffer no subgroup uses any more."""
         self._free.append(buffer)
 
+    def discard(self, buffer: torch.Tensor) -> None:
+        """Forgets a buffer no subgroup uses any more, so that its memory can be freed.
+
+        The caller drops its last reference; it no longer counts against the capacity.
+        """
+        del buffer
+        self.allocated -= 1
+
     def victim(self, exclude: Iterable[int]) -> Optional[int]:
         """The least recently used resident subgroup not in ``exclude``."""
         skip = set(exclude)

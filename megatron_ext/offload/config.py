@@ -70,6 +70,22 @@ class OffloadConfig:
     tails handled). Falls back to buffered I/O where the file system refuses it."""
     offload_checksum: str = option("xxh3", choices=("xxh3", "crc32c", "none"))
     """Checksum written with each state file and verified on every read."""
+    offload_device_cache_gb: str = option("0", metavar="G|auto")
+    """GPU memory, in GB per rank, for the device tier: subgroups whose states stay on the
+    GPU and are updated there by a fused Adam, with no PCIe traffic. Placement fills it
+    first, then the host cache, then --offload-paths. 0 (default): no device tier. auto:
+    sized at the first step from the peak memory of forward and backward
+    (torch.cuda.max_memory_allocated) plus --offload-device-reserve-gb; one log line says
+    what it chose, and subgroups move back down to the host when a later peak would not
+    fit. On a CPU run the "device" is host memory (CI exercises the same code)."""
+    offload_device_reserve_gb: float = 4.0
+    """With --offload-device-cache-gb auto: GPU memory, in GB, left free beyond the
+    measured peak (allocator fragmentation, evaluation, checkpointing)."""
+    offload_gpu_update: bool = option(True, negate="--no-offload-gpu-update")
+    """Update some of the host-memory subgroups on the GPU: states H2D, fused Adam, states
+    D2H, both copy directions in flight on their own streams, while CPU Adam updates the
+    others; the split follows the measured throughputs every step so both sides end
+    together. Off: CPU Adam updates every host-memory subgroup (ablation). GPU runs only."""
     offload_run_id: Optional[str] = None
     """Name of this job's directory under each path: one directory name of letters, digits,
     '.', '_' and '-'. Default: the Slurm job id, else torchrun's run id, else a fresh id.
@@ -84,6 +100,9 @@ class OffloadConfig:
             raise UsageError("--offload-host-cache-gb must be positive")
         if self.offload_run_id is not None:
             check_run_id(self.offload_run_id)
+        self.device_cache_bytes()
+        if self.offload_device_reserve_gb < 0:
+            raise UsageError("--offload-device-reserve-gb must be >= 0")
         if not self.offload_optimizer:
             changed = [f.name for f in dataclasses.fields(self) if f.name != "offload_optimizer"
                        and getattr(self, f.name) != (
@@ -108,3 +127,21 @@ class OffloadConfig:
                                      "job writes in its own subdirectory there)")
                 if not os.access(path, os.W_OK | os.X_OK):
                     raise UsageError(f"--offload-paths {path}: not writable by this user")
+
+    @property
+    def device_cache_auto(self) -> bool:
+        """Whether --offload-device-cache-gb is auto."""
+        return str(self.offload_device_cache_gb).strip().lower() == "auto"
+
+    def device_cache_bytes(self) -> int:
+        """The fixed device-tier size in bytes (0 with auto: sized at the first step)."""
+        if self.device_cache_auto:
+            return 0
+        try:
+            value = float(self.offload_device_cache_gb)
+        except ValueError:
+            value = -1.0
+        if not value >= 0 or value == float("inf"):
+            raise UsageError(f"--offload-device-cache-gb {self.offload_device_cache_gb}: give a "
+                             "size in GB (>= 0) or auto")
+        return int(round(value * 1e9))

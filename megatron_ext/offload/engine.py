@@ -46,13 +46,24 @@ from megatron_ext.offload.io import (
 )
 from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.locks import NodeLocks
+from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
 from megatron_ext.offload.tiers import (
+    DEVICE_TIER,
+    HOST_TIER,
     Rebalancer,
+    Tier,
     TierFullError,
+    TierKind,
     TierSpec,
+    Updater,
+    UpdateRates,
     check_free_space,
+    device_budget,
+    fixed_device_subgroups,
     place_subgroups,
+    resize_device_tier,
+    split_updates,
 )
 from megatron_ext.training.adamw import adam_update, unscale_and_clip
 
@@ -65,6 +76,14 @@ _PATH_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EAC
                 errno.EIO, errno.ENOTDIR, errno.ESTALE}
 TRACE_ENV = "MEGATRON_EXT_OFFLOAD_TRACE"
 FAULT_ENV = "MEGATRON_EXT_OFFLOAD_FAULT"
+# Test hooks of the device tier's ``auto`` sizing (CPU runs have no device memory to
+# measure): the device's usable memory in GB, and the peak of a training iteration besides
+# the offload engine's device states, as "STEP:GB,STEP:GB" (from STEP on).
+MEMORY_LIMIT_ENV = "MEGATRON_EXT_DEVICE_MEMORY_LIMIT_GB"
+MEMORY_PEAK_ENV = "MEGATRON_EXT_DEVICE_PEAK_GB"
+# Test hook: a fixed share of the host subgroups' elements to stream through the device
+# (CPU runs stream nothing by themselves: their "device" is the CPU).
+STREAM_SHARE_ENV = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
 
 
 class _Faults:
@@ -111,7 +130,9 @@ class _StepStats:
     def reset(self) -> None:
         self.steps = 0
         self.time = {k: 0.0 for k in ("fetch", "convert", "update", "writeback", "flush",
-                                      "stall")}
+                                      "stall", "device_update", "stream_issue")}
+        self.device_subgroups = 0
+        self.streamed_subgroups = 0
         self.hits = 0
         self.needed = 0
         self.read_bytes = [0] * self.n_paths
@@ -129,8 +150,10 @@ class OffloadEngine:
 
     def __init__(self, cfg: OffloadConfig, params: Sequence[ShardParam], *, rank: int,
                  device: torch.device, tiers: Sequence[TierSpec], run_id: str,
-                 model_dtype: torch.dtype, grad_dtype: torch.dtype):
+                 model_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 layout: Optional[StateLayout] = None):
         self.cfg = cfg
+        self.layout = layout or StateLayout()
         self.params = list(params)
         self.rank = rank
         self.device = device
@@ -163,9 +186,23 @@ class OffloadEngine:
         self.jobdirs = JobDirs([t.path for t in self.tiers], run_id, rank)
         self.rank_dirs = self.jobdirs.rank_dirs
         self._bad_paths: set = set()
+        # Bytes of each subgroup's state (its file's payload), in the layout's dtypes.
+        self.sizes = [self.layout.nbytes(sg.numel) for sg in self.subgroups]
+        self.buffer_bytes = self.layout.nbytes(self.max_numel)
+        # The device tier: subgroups whose state lives on the model's device, in the order
+        # they joined; a fixed size is placed now, ``auto`` at the first step.
+        self.device_auto = cfg.device_cache_auto
+        self.device_members: List[int] = (
+            [] if self.device_auto else fixed_device_subgroups(self.sizes,
+                                                               cfg.device_cache_bytes()))
+        self._device_set = set(self.device_members)
+        self._device_states: Dict[int, torch.Tensor] = {}
+        self.device_sized = not self.device_auto
+        if self.device_auto and not self.is_cuda and MEMORY_LIMIT_ENV not in os.environ:
+            raise UsageError("--offload-device-cache-gb auto measures GPU memory and this run "
+                             "is on the CPU: give a size in GB (the CPU's 'device' tier is "
+                             "host memory)")
         self.capacity = self._cache_capacity()
-        # Bytes of each subgroup's state file payload.
-        self.sizes = [sg.numel * STATE_BYTES_PER_ELEMENT for sg in self.subgroups]
         self.resident: frozenset = frozenset()
         """Subgroups that live in the host cache only (no file): home -1, never evicted."""
         if self.tiers:
@@ -173,7 +210,16 @@ class OffloadEngine:
             # Room for the recycled spares and one temporary file per path besides the states.
             reserve = (SPARES_PER_SIZE + 1) * max(self.sizes, default=0)
             free = [max(0, check_free_space(t.path, 0) - reserve) for t in self.tiers]
-            self.home = self._place(weights, free)
+            try:
+                self.home = self._place(weights, free)
+            except TierFullError as err:
+                if not self.device_auto:
+                    raise
+                raise TierFullError(
+                    f"{err}; with --offload-device-cache-gb auto the host cache and the paths "
+                    "must hold every subgroup until the first step sizes the device tier: "
+                    "give the device tier a size in GB instead", err.needed_bytes,
+                    err.free_bytes) from None
             self.rebalancer = (Rebalancer(weights) if cfg.offload_rebalance and len(self.tiers) > 1
                                else None)
         else:
@@ -191,6 +237,30 @@ class OffloadEngine:
         self._io_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-fetch")
         self._flush_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-flush")
         self._scratch = torch.empty(self.max_numel, dtype=torch.float32)
+        self.rates = UpdateRates()
+        self._step_counts = {"cpu_elements": 0, "cpu_s": 0.0, "stream_elements": 0,
+                             "stream_s": 0.0}
+        self._stream_marks: List[tuple] = []
+        self._busy: Dict[int, object] = {}
+        """Host buffers a streamed update is still copying into (CUDA events)."""
+        self._stream_next = 0
+        self._stream_slots: List[torch.Tensor] = []
+        self._slot_free: List[object] = [None, None]
+        self._device_grad: Optional[torch.Tensor] = None
+        if self.is_cuda and (self.device_auto or self.device_members
+                             or cfg.offload_gpu_update):
+            # Allocated now so that ``auto`` sizing measures them in the first peak.
+            self._device_grad = torch.empty(self.max_numel, dtype=torch.float32,
+                                            device=device)
+            if cfg.offload_gpu_update:
+                self._stream_slots = [torch.empty(self.buffer_bytes, dtype=torch.uint8,
+                                                  device=device) for _ in range(2)]
+                self._sh2d = torch.cuda.Stream(device)
+                self._sd2h = torch.cuda.Stream(device)
+        if self.is_cuda and self.device_auto:
+            # megatron-core's optimizer made fp32 masters of the whole shard on the device
+            # and the base class freed them: that transient is no training peak.
+            torch.cuda.reset_peak_memory_stats(device)
         if self.is_cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
@@ -200,16 +270,17 @@ class OffloadEngine:
             # New fp32 masters cross to the device straight from their pinned state buffer
             # and are cast there: a CPU cast pass over the shard costs more than the extra
             # PCIe bytes (measured on the H200 machine, 2026-11-30).
-            self._out_stage = [torch.empty(self.max_numel, dtype=torch.float32, device=device)
-                               for _ in range(2)]
+            self._out_stage = [torch.empty(self.max_numel, dtype=self.layout.master,
+                                           device=device) for _ in range(2)]
             self._out_events = [None, None]
 
     # ----------------------------------------------------------------- setup helpers
 
     def _cache_capacity(self) -> Optional[int]:
         cfg = self.cfg
-        n = len(self.subgroups)
-        per_buffer = self.max_numel * STATE_BYTES_PER_ELEMENT
+        # Subgroups of the device tier need no host buffer.
+        n = len(self.subgroups) - len(self.device_members)
+        per_buffer = self.buffer_bytes
         if cfg.offload_host_cache_gb is None:
             return None if not self.tiers else min(n, 3)
         fits = int(round(cfg.offload_host_cache_gb * 1e9) // max(per_buffer, 1))
@@ -236,14 +307,16 @@ class OffloadEngine:
         order (with the alternating order, the cache reuses the subgroups at both ends).
         """
         n = len(self.subgroups)
-        spare = 0 if self.capacity is None else max(0, self.capacity - min(n, 3))
-        lack = sum(self.sizes) - sum(free)
+        # A fixed device tier's subgroups have no file (home -1, not resident either).
+        hosted = [i for i in range(n) if i not in self._device_set]
+        spare = 0 if self.capacity is None else max(0, self.capacity - min(len(hosted), 3))
+        lack = sum(self.sizes[i] for i in hosted) - sum(free)
         first = max(0, lack // max(self.sizes, default=1)) if lack > 0 else 0
         error = None
         for kept in range(min(first, spare), spare + 1):
-            lo = (n - kept) // 2
-            resident = set(range(lo, lo + kept))
-            others = [i for i in range(n) if i not in resident]
+            lo = (len(hosted) - kept) // 2
+            resident = set(hosted[lo:lo + kept])
+            others = [i for i in hosted if i not in resident]
             try:
                 homes = place_subgroups([self.sizes[i] for i in others], weights,
                                         self.cfg.offload_placement, capacity=free)
@@ -266,8 +339,130 @@ class OffloadEngine:
                             error.free_bytes)
 
     def _alloc_state(self) -> torch.Tensor:
-        return aligned_empty(self.max_numel * STATE_BYTES_PER_ELEMENT, dtype=torch.float32,
-                             pin=self.is_cuda)
+        return aligned_empty(self.buffer_bytes, dtype=torch.uint8, pin=self.is_cuda)
+
+    def _views(self, buffer: torch.Tensor, index: int) -> List[torch.Tensor]:
+        """[master, exp_avg, exp_avg_sq] of subgroup ``index`` in a state buffer."""
+        return self.layout.views(buffer, self.subgroups[index].numel)
+
+    # ----------------------------------------------------------------- the tier model
+
+    def tier_of(self, index: int) -> Tier:
+        """Where subgroup ``index``'s state lives now."""
+        if index in self._device_set:
+            return DEVICE_TIER
+        if index in self.cache or self.location[index] is None:
+            return HOST_TIER
+        return Tier(TierKind.PATH, self.location[index])
+
+    def device_bytes(self) -> int:
+        """Bytes of state in the device tier."""
+        return sum(self.sizes[i] for i in self.device_members)
+
+    def _device_state(self, index: int) -> torch.Tensor:
+        state = self._device_states.get(index)
+        if state is None:
+            state = torch.empty(self.sizes[index], dtype=torch.uint8, device=self.device)
+            self._device_states[index] = state
+        return state
+
+    def _drop_buffer(self, buffer: torch.Tensor) -> None:
+        """A host buffer no subgroup needs: freed when the cache has no fixed budget."""
+        if self.capacity is None:
+            self.cache.discard(buffer)
+        else:
+            self.cache.release(buffer)
+
+    def _memory(self) -> tuple:
+        """(usable device bytes, peak allocated bytes of the iterations so far)."""
+        limit_gb = os.environ.get(MEMORY_LIMIT_ENV)
+        if limit_gb is not None:
+            peak_gb = 0.0
+            for item in os.environ.get(MEMORY_PEAK_ENV, "").split(","):
+                if item:
+                    step, value = item.split(":")
+                    if int(step) <= self.step_count + 1:
+                        peak_gb = float(value)
+            return int(float(limit_gb) * 1e9), int(peak_gb * 1e9) + self.device_bytes()
+        return (torch.cuda.mem_get_info(self.device)[1],
+                torch.cuda.max_memory_allocated(self.device))
+
+    def _size_device_tier(self) -> None:
+        """``auto``: fills the device tier once from the measured peak, gives back later."""
+        if not self.device_auto:
+            return
+        limit, peak = self._memory()
+        reserve = int(self.cfg.offload_device_reserve_gb * 1e9)
+        budget = device_budget(limit, peak, self.device_bytes(), reserve)
+        candidates = [] if self.device_sized else self._promotion_order()
+        joining, leaving = resize_device_tier(self.device_members, self.sizes, budget,
+                                              candidates)
+        for index in joining:
+            self._move_up(index)
+        for index in leaving:
+            self._move_down(index)
+        if not self.device_sized:
+            self.device_sized = True
+            log.info("offload: rank %d device tier (auto): %d of %d subgroups, %s GB "
+                        "(device memory %s GB, peak besides it %s GB, reserve %s GB)",
+                        self.rank, len(self.device_members), len(self.subgroups),
+                        _gb(self.device_bytes()), _gb(limit),
+                        _gb(max(0, peak - self.device_bytes())), _gb(reserve))
+        elif leaving:
+            log.warning("offload: rank %d device tier gives back %d subgroups (%s GB) to the "
+                        "host: the peak grew to %s GB; it keeps %d (%s GB)", self.rank,
+                        len(leaving), _gb(sum(self.sizes[i] for i in leaving)), _gb(peak),
+                        len(self.device_members), _gb(self.device_bytes()))
+
+    def _promotion_order(self) -> List[int]:
+        """Subgroups to move up, most wanted first.
+
+        Those on paths (their I/O goes away), then the host's, each kind evenly spread.
+        """
+        hosted = [i for i in range(len(self.subgroups)) if i not in self._device_set]
+        on_paths = [i for i in hosted if self.home[i] is not None and self.home[i] >= 0
+                    and i not in self.resident]
+        in_host = [i for i in hosted if i not in on_paths]
+
+        def interleaved(ids: List[int]) -> List[int]:
+            # Bit-reversed positions (0, n/2, n/4, 3n/4, ...): every prefix is spread out.
+            bits = max(1, (len(ids) - 1).bit_length())
+            return [ids[k] for k in sorted(range(len(ids)),
+                                           key=lambda k: int(f"{k:0{bits}b}"[::-1], 2))]
+        return interleaved(on_paths) + interleaved(in_host)
+
+    def _move_up(self, index: int) -> None:
+        """Subgroup ``index`` joins the device tier (its host buffer and file go away)."""
+        if self.initialized:
+            buffer = self._acquire_sync(index)
+            self._settle(index)
+            self._device_state(index).copy_(buffer[:self.sizes[index]])
+            self._drop_buffer(self.cache.pop(index).buffer)
+            if self.location[index] is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._file(index, self.location[index]))
+                self.location[index] = None
+        self.resident = self.resident - {index}
+        self.device_members.append(index)
+        self._device_set.add(index)
+
+    def _move_down(self, index: int) -> None:
+        """Subgroup ``index`` leaves the device tier for the host cache (gives memory back)."""
+        state = self._device_states.pop(index, None)
+        self.device_members.remove(index)
+        self._device_set.discard(index)
+        if state is None:
+            return
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        buffer, flush = self._take_buffer(protect=())
+        if flush is not None:
+            flush.result()
+        buffer[:self.sizes[index]].copy_(state)
+        self.cache.insert(index, buffer, dirty=True)
+        if self.home[index] is None or self.home[index] < 0:
+            # No path to flush it to: the host keeps it.
+            self.resident = self.resident | {index}
 
     # ----------------------------------------------------------------- order
 
@@ -297,8 +492,7 @@ class OffloadEngine:
     def _read(self, subgroup: int, buffer: torch.Tensor, kind: str = "state") -> None:
         path = self.location[subgroup] if kind == "state" else self._grad_files[subgroup]
         sg = self.subgroups[subgroup]
-        width = 3 if kind == "state" else 1
-        out = buffer[:width * sg.numel]
+        out = buffer[:self.sizes[subgroup]] if kind == "state" else buffer[:sg.numel]
         name = self._file(subgroup, path, kind)
         with self.locks.hold(self.tiers[path].path):
             start = time.perf_counter()
@@ -306,18 +500,17 @@ class OffloadEngine:
             step = self.io.read(name, out, rank=self.rank, subgroup=subgroup, elements=sg.numel)
             self._throttle(path, start)
             seconds = time.perf_counter() - start
-            self._trace("read", path, t0, time.monotonic(), out.numel() * 4)
+            self._trace("read", path, t0, time.monotonic(), out.numel() * out.element_size())
         if kind == "state" and step != self.version[subgroup]:
             raise OffloadStateError(f"offload state file {name} belongs to step {step}, expected "
                                     f"{self.version[subgroup]}: restart from the last checkpoint")
-        self._account("read", path, out.numel() * 4, seconds)
+        self._account("read", path, out.numel() * out.element_size(), seconds)
 
     def _write(self, subgroup: int, buffer: torch.Tensor, kind: str = "state") -> None:
         """Writes a subgroup's file to its home path; spills to another path on a path error."""
         sg = self.subgroups[subgroup]
-        width = 3 if kind == "state" else 1
-        payload = buffer[:width * sg.numel]
-        nbytes = payload.numel() * 4
+        payload = buffer[:self.sizes[subgroup]] if kind == "state" else buffer[:sg.numel]
+        nbytes = payload.numel() * payload.element_size()
         if kind == "state" and subgroup in self.resident:
             raise RuntimeError(f"offload: subgroup {subgroup} lives in the host cache only")
         while True:
@@ -427,6 +620,7 @@ class OffloadEngine:
         if victim is None:
             raise RuntimeError("offload cache has no evictable buffer (capacity too small)")
         entry = self.cache.pop(victim)
+        self._settle(victim)
         if self.is_cuda:
             # Its masters may still be crossing to the device.
             for event in self._out_events:
@@ -448,8 +642,16 @@ class OffloadEngine:
             return buffer
         return self._io_pool.submit(fetch)
 
+    def _settle(self, index: int) -> None:
+        """Waits until no streamed update is still copying into subgroup ``index``'s buffer."""
+        event = self._busy.pop(index, None)
+        if event is not None:
+            event.synchronize()
+
     def wait_io(self) -> None:
         """Waits for every background flush; raises the first error one of them hit."""
+        for index in list(self._busy):
+            self._settle(index)
         flushes, self._flushes = self._flushes, []
         for flush in flushes:
             flush.result()
@@ -462,7 +664,15 @@ class OffloadEngine:
         The fill runs opposite to the next step's order, so that step starts on the
         subgroups that stayed in the cache.
         """
+        staging = None
         for index in reversed(self.order(self.step_count + 1)):
+            if index in self._device_set:
+                # Through one host buffer: the sources write host memory.
+                if staging is None:
+                    staging = aligned_empty(self.buffer_bytes, pin=self.is_cuda)
+                sources(index, staging)
+                self._device_state(index).copy_(staging[:self.sizes[index]])
+                continue
             buffer, flush = self._take_buffer(protect=())
             if flush is not None:
                 flush.result()
@@ -493,11 +703,10 @@ class OffloadEngine:
 
         def source(index: int, buffer: torch.Tensor) -> None:
             sg = self.subgroups[index]
-            n = sg.numel
+            views = self._views(buffer, index)
             for piece in sg.pieces:
                 fill(piece.param, piece.start, piece.length,
-                     [buffer[k * n + piece.offset:k * n + piece.offset + piece.length]
-                      for k in range(3)])
+                     [view[piece.offset:piece.offset + piece.length] for view in views])
         self._fill(source)
 
     def read_states(self, param: int, start: int, length: int,
@@ -516,27 +725,31 @@ class OffloadEngine:
             lo, hi = max(start, piece.start), min(start + length, piece.start + piece.length)
             if lo >= hi:
                 continue
-            buffer = self._acquire_sync(index)
-            n = self.subgroups[index].numel
+            views = self._views(self._acquire_sync(index), index)
             at = piece.offset + lo - piece.start
-            for k, out in enumerate(outs):
-                out[lo - start:hi - start].copy_(buffer[k * n + at:k * n + at + hi - lo])
+            for view, out in zip(views, outs):
+                out[lo - start:hi - start].copy_(view[at:at + hi - lo])
 
     def reset_masters_from_model(self) -> None:
         """Rebuilds the fp32 masters from the model's weights, keeping the moments."""
         if not self.initialized:
             return
         for index, sg in enumerate(self.subgroups):
-            buffer = self._acquire_sync(index)
+            master = self._views(self._acquire_sync(index), index)[0]
             for piece in sg.pieces:
                 src = self.params[piece.param].init().reshape(-1)
-                buffer[piece.offset:piece.offset + piece.length].copy_(
+                master[piece.offset:piece.offset + piece.length].copy_(
                     src[piece.start:piece.start + piece.length])
-            self.cache.get(index).dirty = True
+            if index not in self._device_set:
+                self.cache.get(index).dirty = True
         self.wait_io()
 
     def _acquire_sync(self, index: int) -> torch.Tensor:
+        """Subgroup ``index``'s state buffer: its device state, or a host buffer (fetched)."""
+        if index in self._device_set:
+            return self._device_state(index)
         if index in self.cache:
+            self._settle(index)
             return self.cache.get(index).buffer
         buffer = self._start_fetch(index, protect=(index,)).result()
         self.cache.insert(index, buffer, dirty=False)
@@ -553,24 +766,46 @@ class OffloadEngine:
             inv_scale: fp16 loss-scale inverse to unscale the gradients with, or None.
             clip_coeff: the gradient-clipping factor (< 1) or None.
         """
+        # ``auto``: the first step sizes the device tier before the states exist (the
+        # forward and backward of this iteration are the peak it measures).
+        self._size_device_tier()
         if not self.initialized:
             self.initialize_from_model()
+        self._observe_stream()
         self.step_count += 1
         for index, step in self._faults.get("vanish"):
             if int(step) == self.step_count:
                 shutil.rmtree(self.rank_dirs[int(index)], ignore_errors=True)
         order = self.order(self.step_count)
+        plan = self.plan(order)
+        cpu_order = [i for i in order if plan[i] is Updater.CPU]
+        slot_of = {index: k % 2 for k, index in enumerate(cpu_order)}
+        next_cpu = dict(zip(cpu_order, cpu_order[1:]))
+        host_order = [i for i in order if plan[i] is not Updater.DEVICE]
         if self.is_cuda:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            if torch.is_tensor(inv_scale):
+                inv_scale_device = inv_scale.to(self.device, non_blocking=True)
+        if not (self.is_cuda and torch.is_tensor(inv_scale)):
+            inv_scale_device = inv_scale
         if not self.cfg.offload_delayed_grad_conversion:
-            self._stage_fp32_grads(order, inv_scale, clip_coeff)
+            self._stage_fp32_grads(cpu_order, inv_scale, clip_coeff)
         depth = (1 if self.capacity is None
                  else max(1, min(2, self.capacity - len(self.resident) - 2)))
         pending: Dict[int, Future] = {}
-        if self.is_cuda and self.cfg.offload_delayed_grad_conversion and order:
-            self._issue_grad_copy(order[0], 0)
-        for i, index in enumerate(order):
-            ahead = order[i + 1:i + 1 + depth]
+        if self.is_cuda and self.cfg.offload_delayed_grad_conversion and cpu_order:
+            self._issue_grad_copy(cpu_order[0], 0)
+        position = {index: k for k, index in enumerate(host_order)}
+        for index in order:
+            if plan[index] is Updater.DEVICE:
+                start = time.perf_counter()
+                self._update_on_device(index, self._device_state(index), hparams,
+                                       inv_scale_device, clip_coeff)
+                self.stats.add("device_update", time.perf_counter() - start)
+                self.stats.device_subgroups += 1
+                continue
+            k = position[index]
+            ahead = host_order[k + 1:k + 1 + depth]
             for nxt in ahead:
                 if nxt not in self.cache and nxt not in pending:
                     pending[nxt] = self._start_fetch(
@@ -586,9 +821,18 @@ class OffloadEngine:
                 self._acquire_sync(index)
             self.stats.add("stall", time.perf_counter() - wait)
             entry = self.cache.get(index)
-            if self.is_cuda and self.cfg.offload_delayed_grad_conversion and i + 1 < len(order):
-                self._issue_grad_copy(order[i + 1], (i + 1) % 2)
-            self._update(index, entry.buffer, i % 2, hparams, inv_scale, clip_coeff)
+            self._settle(index)
+            if plan[index] is Updater.STREAM:
+                start = time.perf_counter()
+                self._update_streamed(index, entry.buffer, hparams, inv_scale_device,
+                                      clip_coeff)
+                self.stats.add("stream_issue", time.perf_counter() - start)
+                self.stats.streamed_subgroups += 1
+                entry.dirty = True
+                continue
+            if self.is_cuda and self.cfg.offload_delayed_grad_conversion and index in next_cpu:
+                self._issue_grad_copy(next_cpu[index], slot_of[next_cpu[index]])
+            self._update(index, entry.buffer, slot_of[index], hparams, inv_scale, clip_coeff)
             entry.dirty = True
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._h2d)
@@ -665,11 +909,7 @@ class OffloadEngine:
         t0 = time.perf_counter()
         grads = self._grads_fp32(index, slot, inv_scale, clip_coeff)
         t1 = time.perf_counter()
-        master, exp_avg, exp_avg_sq = buffer[:n], buffer[n:2 * n], buffer[2 * n:3 * n]
-        for group, offset, length in sg.runs:
-            span = slice(offset, offset + length)
-            adam_update(master[span], grads[span], exp_avg[span], exp_avg_sq[span],
-                        self.step_count, hparams[group], fused=self.fused_adam)
+        master = self._adam(index, buffer, grads, hparams)
         self.version[index] = self.step_count
         t2 = time.perf_counter()
         self._write_back(index, master, slot)
@@ -678,6 +918,144 @@ class OffloadEngine:
             self.stats.time["convert"] += t1 - t0
             self.stats.time["update"] += t2 - t1
             self.stats.time["writeback"] += t3 - t2
+        self._step_counts["cpu_elements"] += n
+        self._step_counts["cpu_s"] += t2 - t0
+
+    def _adam(self, index: int, buffer: torch.Tensor, grads: torch.Tensor,
+              hparams) -> torch.Tensor:
+        """Subgroup ``index``'s Adam step on its state buffer (host or device); its master.
+
+        One function for every tier and updater, so that on a CPU run all of them do the
+        same arithmetic (torch's reference AdamW, megatron-core's): bit for bit equal.
+        States stored in fp16/bf16 are widened to fp32 for the math and rounded back.
+        """
+        sg = self.subgroups[index]
+        states = self._views(buffer, index)
+        on_device = buffer.is_cuda
+        for group, offset, length in sg.runs:
+            span = slice(offset, offset + length)
+            parts = [t[span] if t.dtype == torch.float32 else t[span].float() for t in states]
+            if on_device:
+                _device_adam(parts[0], grads[span], parts[1], parts[2], self.step_count,
+                             hparams[group])
+            else:
+                adam_update(parts[0], grads[span], parts[1], parts[2], self.step_count,
+                            hparams[group], fused=self.fused_adam)
+            for state, part in zip(states, parts):
+                if state.dtype != torch.float32:
+                    state[span].copy_(part)
+        return states[0]
+
+    def _device_grads(self, index: int, inv_scale, clip_coeff) -> torch.Tensor:
+        """The subgroup's fp32 gradients on the model's device, unscaled and clipped."""
+        sg = self.subgroups[index]
+        if self._device_grad is None:
+            self._device_grad = torch.empty(self.max_numel, dtype=torch.float32,
+                                            device=self.device)
+        grads = self._device_grad[:sg.numel]
+        for piece in sg.pieces:
+            src = self.params[piece.param].grad().reshape(-1)
+            grads[piece.offset:piece.offset + piece.length].copy_(
+                src[piece.start:piece.start + piece.length])
+        return unscale_and_clip(grads, inv_scale, clip_coeff)
+
+    def _update_on_device(self, index: int, state: torch.Tensor, hparams, inv_scale,
+                          clip_coeff) -> None:
+        """The device's update of a state buffer on the device (current stream).
+
+        The gradients never leave it; the new weights go straight into the model's buffer.
+        """
+        grads = self._device_grads(index, inv_scale, clip_coeff)
+        master = self._adam(index, state, grads, hparams)
+        self.version[index] = self.step_count
+        for piece in self.subgroups[index].pieces:
+            self.params[piece.param].out[piece.start:piece.start + piece.length].copy_(
+                master[piece.offset:piece.offset + piece.length])
+
+    def _update_streamed(self, index: int, buffer: torch.Tensor, hparams, inv_scale,
+                         clip_coeff) -> None:
+        """A host subgroup updated by the device: states H2D, fused Adam, states D2H.
+
+        On CUDA the copies run on their own streams (both directions in flight at once,
+        two device slots alternating) and nothing here waits for them: the host buffer is
+        marked busy until its D2H ends. On the CPU the same steps run in order.
+        """
+        nbytes = self.sizes[index]
+        host = buffer[:nbytes]
+        if not self.is_cuda:
+            start = time.perf_counter()
+            if not self._stream_slots:
+                self._stream_slots = [torch.empty(self.buffer_bytes, dtype=torch.uint8,
+                                                  device=self.device)]
+            slot = self._stream_slots[0][:nbytes]
+            slot.copy_(host)
+            self._update_on_device(index, slot, hparams, inv_scale, clip_coeff)
+            host.copy_(slot)
+            self._step_counts["stream_elements"] += self.subgroups[index].numel
+            self._step_counts["stream_s"] += time.perf_counter() - start
+            return
+        k = self._stream_next
+        self._stream_next ^= 1
+        slot = self._stream_slots[k][:nbytes]
+        current = torch.cuda.current_stream(self.device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+        with torch.cuda.stream(self._sh2d):
+            if self._slot_free[k] is not None:
+                self._sh2d.wait_event(self._slot_free[k])
+            marks[0].record(self._sh2d)
+            slot.copy_(host, non_blocking=True)
+            marks[1].record(self._sh2d)
+        current.wait_event(marks[1])
+        marks[2].record(current)
+        self._update_on_device(index, slot, hparams, inv_scale, clip_coeff)
+        marks[3].record(current)
+        with torch.cuda.stream(self._sd2h):
+            self._sd2h.wait_event(marks[3])
+            marks[4].record(self._sd2h)
+            host.copy_(slot, non_blocking=True)
+            marks[5].record(self._sd2h)
+        self._slot_free[k] = marks[5]
+        self._busy[index] = marks[5]
+        self._stream_marks.append((self.subgroups[index].numel, marks))
+
+    def _observe_stream(self) -> None:
+        """Feeds the last step's measured update throughputs to the split model."""
+        counts = self._step_counts
+        stream_elements, stream_s = counts["stream_elements"], counts["stream_s"]
+        if self._stream_marks:
+            # The pipeline runs at its slowest stage: H2D, the device's Adam, or D2H.
+            stages = [0.0, 0.0, 0.0]
+            for elements, marks in self._stream_marks:
+                marks[5].synchronize()
+                stream_elements += elements
+                for k in range(3):
+                    stages[k] += marks[2 * k].elapsed_time(marks[2 * k + 1]) / 1000
+            stream_s = max(stages)
+            self._stream_marks = []
+        self.rates.observe(counts["cpu_elements"], counts["cpu_s"], stream_elements, stream_s)
+        self._step_counts = {"cpu_elements": 0, "cpu_s": 0.0, "stream_elements": 0,
+                             "stream_s": 0.0}
+
+    def stream_share(self) -> float:
+        """The share of the host subgroups' elements the device updates this step."""
+        if not self.cfg.offload_gpu_update:
+            return 0.0
+        forced = os.environ.get(STREAM_SHARE_ENV)
+        if forced is not None:
+            return min(1.0, max(0.0, float(forced)))
+        if not self.is_cuda:
+            # The "device" is the CPU itself: streaming would only add copies.
+            return 0.0
+        return self.rates.share()
+
+    def plan(self, order: Sequence[int]) -> Dict[int, Updater]:
+        """Who updates each subgroup this step (the tier model's decision)."""
+        hosted = [i for i in order if i not in self._device_set]
+        streamed = split_updates([self.subgroups[i].numel for i in hosted],
+                                 self.stream_share())
+        plan = {i: Updater.DEVICE for i in self._device_set}
+        plan.update({i: Updater.STREAM if s else Updater.CPU for i, s in zip(hosted, streamed)})
+        return plan
 
     def _write_back(self, index: int, master: torch.Tensor, slot: int) -> None:
         """New weights into the model's param buffer, in the model's dtype."""
@@ -702,8 +1080,13 @@ class OffloadEngine:
     def write_all_params(self) -> None:
         """Copies every fp32 master into the model (used after a load)."""
         for index in range(len(self.subgroups)):
-            buffer = self._acquire_sync(index)
-            self._write_back(index, buffer[:self.subgroups[index].numel], 0)
+            master = self._views(self._acquire_sync(index), index)[0]
+            if index in self._device_set:
+                for piece in self.subgroups[index].pieces:
+                    self.params[piece.param].out[piece.start:piece.start + piece.length].copy_(
+                        master[piece.offset:piece.offset + piece.length])
+                continue
+            self._write_back(index, master, 0)
             if self.is_cuda:
                 torch.cuda.current_stream(self.device).wait_stream(self._h2d)
                 self._out_events[0].synchronize()
@@ -725,13 +1108,22 @@ class OffloadEngine:
         rank_dir = os.path.join(directory, f"rank{self.rank:05d}")
         secure_makedirs(rank_dir)
         entries = []
+        staging = None
         for index, sg in enumerate(self.subgroups):
             name = f"sg{index:05d}.state"
             target = os.path.join(rank_dir, name)
-            if index in self.cache:
-                buffer = self.cache.get(index).buffer
-                self.io.write(target, buffer[:3 * sg.numel], rank=self.rank, subgroup=index,
-                              elements=sg.numel, step=self.version[index])
+            if index in self._device_set or index in self.cache:
+                if index in self._device_set:
+                    buffer = self._device_state(index)
+                    if buffer.is_cuda:
+                        if staging is None:
+                            staging = aligned_empty(self.buffer_bytes, pin=True)
+                        staging[:self.sizes[index]].copy_(buffer)
+                        buffer = staging
+                else:
+                    buffer = self.cache.get(index).buffer
+                self.io.write(target, buffer[:self.sizes[index]], rank=self.rank,
+                              subgroup=index, elements=sg.numel, step=self.version[index])
                 how = "written"
             else:
                 source = self._file(index, self.location[index])
@@ -747,7 +1139,8 @@ class OffloadEngine:
         manifest = {"version": MANIFEST_VERSION, "rank": self.rank, "step": self.step_count,
                     "fingerprint": self.fingerprint,
                     "subgroup_size": self.cfg.offload_subgroup_size,
-                    "checksum": self.cfg.offload_checksum, "subgroups": entries, **extra}
+                    "checksum": self.cfg.offload_checksum, "state_dtypes": self.layout.names,
+                    "subgroups": entries, **extra}
         _write_json_atomic(os.path.join(rank_dir, "manifest.json"), manifest)
 
     def load(self, directory: str, expect: dict) -> None:
@@ -771,6 +1164,13 @@ class OffloadEngine:
                 f"{manifest_path}: the optimizer shard layout differs (model, parallel layout or "
                 "--offload-subgroup-size changed): resume with the same settings, or "
                 "--no-load-optim")
+        saved_dtypes = manifest.get("state_dtypes", ["fp32", "fp32", "fp32"])
+        if saved_dtypes != self.layout.names:
+            raise UsageError(
+                f"{manifest_path}: optimizer states saved as {'/'.join(saved_dtypes)} "
+                f"(master/exp_avg/exp_avg_sq), this run stores {'/'.join(self.layout.names)}: "
+                "resume with the same --main-params-dtype/--exp-avg-dtype/--exp-avg-sq-dtype, "
+                "or --no-load-optim")
         self.wait_io()
         for index in list(range(len(self.subgroups))):
             if index in self.cache:
@@ -786,7 +1186,7 @@ class OffloadEngine:
             sg = self.subgroups[index]
             name = os.path.join(rank_dir, manifest["subgroups"][index]["file"])
             try:
-                step = reader.read(name, buffer[:3 * sg.numel], rank=self.rank,
+                step = reader.read(name, buffer[:self.sizes[index]], rank=self.rank,
                                    subgroup=index, elements=sg.numel)
             except OffloadStateError as err:
                 # The io layer's advice is to resume from a checkpoint: this is one.
@@ -814,8 +1214,14 @@ class OffloadEngine:
         record["offload/lock_wait_bg_s"] = (self.locks.wait_s - self._lock_wait_seen) / steps
         self._lock_wait_seen = self.locks.wait_s
         record["offload/cache_hit_rate"] = s.hits / s.needed if s.needed else 1.0
-        host = self.cache.allocated * self.max_numel * STATE_BYTES_PER_ELEMENT
+        host = self.cache.allocated * self.buffer_bytes
         record["offload/host_cache_gib"] = host / 2**30
+        record["offload/device_tier_gib"] = self.device_bytes() / 2**30
+        record["offload/device_subgroups_n"] = len(self.device_members)
+        record["offload/device_update_s"] = s.time["device_update"] / steps
+        record["offload/stream_issue_s"] = s.time["stream_issue"] / steps
+        record["offload/streamed_subgroups"] = s.streamed_subgroups / steps
+        record["offload/state_bytes_per_element"] = self.layout.bytes_per_element
         total_bytes = 0
         for i in range(len(self.tiers)):
             moved = s.read_bytes[i] + s.write_bytes[i]
@@ -838,6 +1244,7 @@ class OffloadEngine:
             self.wait_io()
         self._io_pool.shutdown(wait=True)
         self._flush_pool.shutdown(wait=True)
+        self._device_states.clear()
         self.jobdirs.close(remove=remove_files)
         self.locks.close()
 
@@ -856,3 +1263,24 @@ def _write_json_atomic(path: str, data: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: int, hp: dict) -> None:
+    """Torch's fused CUDA AdamW in place, queued on the current stream without a host sync.
+
+    Like :func:`megatron_ext.training.adamw.adam_update` for CUDA tensors, but the step
+    tensor is made on the device by a fill kernel: a host-to-device copy of it would wait
+    for the stream and serialize the GPU's work with the CPU Adam running meanwhile.
+    """
+    if master.numel() == 0:
+        return
+    from torch.optim.adam import adam
+
+    beta1, beta2 = hp["betas"]
+    step_tensor = torch.full((), float(step - 1), dtype=torch.float32, device=master.device)
+    adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step_tensor], foreach=False,
+         fused=True, capturable=False, differentiable=False, has_complex=False,
+         amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
+         weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
+         decoupled_weight_decay=True)

@@ -11,13 +11,14 @@ training dtype.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine, ShardParam
 from megatron_ext.offload.jobdir import default_run_id
+from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.tiers import (
     PROBE_REPEATS,
     TierSpec,
@@ -37,12 +38,12 @@ class OffloadedDistributedOptimizer(ShardedStateOptimizer):
     state_prefix = "offload"
 
     def __init__(self, *args, offload_config: OffloadConfig, rank: int, run_id: str,
-                 tiers: List[TierSpec], **kwargs):
+                 tiers: List[TierSpec], layout: Optional[StateLayout] = None, **kwargs):
         super().__init__(*args, **kwargs)
         params = [self._shard_param(shard) for shard in self.shards]
         self.engine = OffloadEngine(offload_config, params, rank=rank, device=self.device,
                                     tiers=tiers, run_id=run_id, model_dtype=self.model_dtype,
-                                    grad_dtype=self.grad_dtype)
+                                    grad_dtype=self.grad_dtype, layout=layout)
 
     def _shard_param(self, shard) -> ShardParam:
         model_param = shard.model_param
@@ -147,8 +148,13 @@ def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:
     return run_id, resolve_tiers(cfg, rank)
 
 
-def offloaded_distributed_optimizer(cfg: OffloadConfig, rank: int):
-    """Within the block, megatron-core's optimizer factory builds the offloaded optimizer."""
+def offloaded_distributed_optimizer(cfg: OffloadConfig, rank: int,
+                                    layout: Optional[StateLayout] = None):
+    """Within the block, megatron-core's optimizer factory builds the offloaded optimizer.
+
+    ``layout``: the dtypes the states are stored in (Megatron-LM's precision-aware
+    optimizer flags); fp32 by default.
+    """
     run_id, tiers = offload_setup(cfg, rank)
     return bound_distributed_optimizer(OffloadedDistributedOptimizer, offload_config=cfg,
-                                       rank=rank, run_id=run_id, tiers=tiers)
+                                       rank=rank, run_id=run_id, tiers=tiers, layout=layout)

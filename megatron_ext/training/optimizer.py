@@ -69,7 +69,8 @@ def build_optimizer(cfg, model_chunks, runtime):
     if cfg.offload.offload_optimizer:
         from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
 
-        with offloaded_distributed_optimizer(cfg.offload, runtime.rank):
+        with offloaded_distributed_optimizer(cfg.offload, runtime.rank,
+                                             cfg.optimizer.state_layout()):
             return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
 

@@ -8,7 +8,15 @@ from collections import defaultdict
 
 import pytest
 
-from mext_testing import BF16, TINY, losses_of, run_pretrain, straight_and_resumed, train_losses
+from mext_testing import (
+    BF16,
+    TINY,
+    losses_of,
+    read_metrics,
+    run_pretrain,
+    straight_and_resumed,
+    train_losses,
+)
 
 BASE = [*TINY, "--train-iters", "20", "--use-distributed-optimizer"]
 LAYOUTS = {"dp2": [*BF16],
@@ -80,3 +88,20 @@ def test_without_concurrency_control_ranks_collide(tmp_path):
                       "MEGATRON_EXT_OFFLOAD_FAULT": "slow:0:10:1;slow:1:10:1"})
     overlaps, _ = _overlaps(trace.read_text())
     assert overlaps > 0
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_two_ranks_all_tiers_equal_plain(tmp_path, layout):
+    """Device tier (4 of each rank's ~12 subgroups), host cache and two paths, with the
+    streamed update forced on (the CPU's "device" is the CPU): the plain optimizer's
+    losses bit for bit."""
+    plain, offload = tmp_path / "plain.jsonl", tmp_path / "offload.jsonl"
+    flags = [*BASE, "--lr-decay-style", "cosine", *LAYOUTS[layout]]
+    run_pretrain([*flags, "--metrics-path", str(plain)], nproc=2)
+    run_pretrain([*flags, "--offload-optimizer", *paths(tmp_path), "--offload-device-cache-gb",
+                  "0.00024", "--metrics-path", str(offload)], nproc=2,
+                 env={"MEGATRON_EXT_OFFLOAD_STREAM_SHARE": "0.5"})
+    assert train_losses(offload) == train_losses(plain)
+    last = [r for r in read_metrics(offload) if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/device_subgroups_n"] == 4
+    assert last["offload/streamed_subgroups"] > 0 and last["offload/io_bytes"] > 0

@@ -179,6 +179,9 @@ CASES = {
                                       "--skip-train only evaluates: give --eval-iters N > 0"),
     "negative train iters": (lambda d: MOCK + ["--train-iters", "-1"],
                              "--train-iters must be >= 0"),
+    "precision-aware optimizer without offload": (
+        lambda d: MOCK + ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
+        "honoured by --offload-optimizer only"),
 }
 
 

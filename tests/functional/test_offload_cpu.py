@@ -30,7 +30,8 @@ from mext_testing import (
 )
 
 ITERS = 20
-BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer"]
+BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer",
+        "--lr-decay-style", "cosine"]
 # ~120k parameters in subgroups of 10k elements (120 KB of state each), three of them in
 # the host cache: most of the state lives on the paths.
 SMALL = ["--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036"]
@@ -242,3 +243,78 @@ def test_stdout_line_carries_the_offload_breakdown(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration")]
     assert len(lines) == ITERS
     assert all("offload (ms): stall" in line and "cache hits" in line for line in lines)
+
+
+# ---------------------------------------------------------------- the hierarchy of tiers
+
+STREAM = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
+# 12 subgroups of 120 KB: a device tier of 0.0005 GB holds 4 of them.
+DEVICE = ["--offload-device-cache-gb", "0.0005"]
+
+
+def tier_flags(tmp_path, layout: str) -> list:
+    """Flags of a tier combination: device only, device + host, device + host + two paths."""
+    if layout == "device-only":
+        return ["--offload-device-cache-gb", "1", "--offload-subgroup-size", "10000"]
+    if layout == "device+host":
+        return [*DEVICE, "--offload-subgroup-size", "10000"]
+    return [*DEVICE, *path_flags(tmp_path, 2)]
+
+
+# bf16: every combination, with and without the streamed update (on the CPU the "device"
+# is the CPU, so the test hook STREAM forces a share through it); fp32 in the resume test.
+TIER_MATRIX = [("device-only", False), ("device+host", True), ("all-tiers", False),
+               ("all-tiers", True)]
+
+
+@pytest.mark.parametrize("layout,stream", TIER_MATRIX,
+                         ids=[f"{lay}{'-streamed' if s else ''}" for lay, s in TIER_MATRIX])
+def test_state_tiers_match_plain_optimizer(tmp_path, baseline, layout, stream):
+    _, out = run_offload(tmp_path, ["--bf16", *tier_flags(tmp_path, layout)],
+                         env={STREAM: "0.5"} if stream else None)
+    records = read_metrics(out)
+    assert losses_of(records) == baseline("bf16")
+    last = [r for r in records if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/device_subgroups_n"] == (12 if layout == "device-only" else 4)
+    assert (last["offload/streamed_subgroups"] > 0) == stream
+    assert (last["offload/io_bytes"] > 0) == (layout == "all-tiers")
+
+
+def test_all_tiers_resume_is_exact_fp32(tmp_path, baseline, monkeypatch):
+    monkeypatch.setenv(STREAM, "0.5")
+    flags = [*BASE, "--offload-optimizer", *tier_flags(tmp_path, "all-tiers")]
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
+    assert losses_of(straight) == baseline("fp32")
+    assert losses_of(resumed) == losses_of(straight)
+    manifest = json.loads((tmp_path / "ckpt" / "iter_0000010" / "offload" / "rank00000" /
+                           "manifest.json").read_text())
+    assert len(manifest["subgroups"]) == 12 and manifest["state_dtypes"] == ["fp32"] * 3
+    assert {entry["how"] for entry in manifest["subgroups"]} == {"linked", "written"}
+
+
+def test_auto_device_tier_sizes_itself_and_gives_back(tmp_path, baseline):
+    # 1 MB of "device" memory; besides the states, a peak of 0.3 MB until step 6 (room for
+    # 5 subgroups of 120 KB with 0.1 MB reserve), then 0.6 MB (room for 2).
+    env = {"MEGATRON_EXT_DEVICE_MEMORY_LIMIT_GB": "0.001",
+           "MEGATRON_EXT_DEVICE_PEAK_GB": "1:0.0003,6:0.0006", STREAM: "0.5"}
+    result, out = run_offload(tmp_path, ["--bf16", "--offload-device-cache-gb", "auto",
+                                         "--offload-device-reserve-gb", "0.0001",
+                                         *path_flags(tmp_path, 2)], env=env)
+    records = read_metrics(out)
+    assert losses_of(records) == baseline("bf16")
+    tiers = [r["offload/device_subgroups_n"] for r in records if "offload/cache_hit_rate" in r]
+    assert tiers[0] == 5 and tiers[-1] == 2, tiers
+    assert "device tier (auto): 5 of 12 subgroups" in result.stdout
+    assert "device tier gives back 3 subgroups" in result.stdout
+
+
+def test_bf16_moments_train_with_8_bytes_per_element(tmp_path, baseline):
+    _, out = run_offload(tmp_path, ["--bf16", "--use-precision-aware-optimizer",
+                                    "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+                                    *tier_flags(tmp_path, "all-tiers")], env={STREAM: "0.5"})
+    records = read_metrics(out)
+    last = [r for r in records if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/state_bytes_per_element"] == 8
+    losses, plain = losses_of(records), baseline("bf16")
+    assert losses != plain  # the moments really are rounded to bf16
+    assert max(abs(a - b) for a, b in zip(losses, plain)) < 0.05 * plain[0]

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine, ShardParam
 from megatron_ext.offload.tiers import TierSpec
@@ -107,7 +108,7 @@ def test_engine_equals_torch_adamw(tmp_path, n_tiers, combo, dtype):
                 assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
         engine.wait_io()
         for index, sg in enumerate(engine.subgroups):
-            state = engine._acquire_sync(index)
+            state = torch.cat(engine._views(engine._acquire_sync(index), index))
             for piece in sg.pieces:
                 got = state[piece.offset:piece.offset + piece.length]
                 want = masters[piece.param].detach()[piece.start:piece.start + piece.length]
@@ -239,3 +240,187 @@ def test_paths_too_small_even_with_the_cache_is_one_clear_error(tmp_path, monkey
     _limit_free_space(monkeypatch, 2)
     with pytest.raises(TierFullError, match="a larger --offload-host-cache-gb helps too"):
         _small_engine(tmp_path, Shard(torch.bfloat16), 6)
+
+
+# ---------------------------------------------------------------- the device tier
+
+SG = 700 * 12  # bytes of a full subgroup's fp32 state in these tests
+# (device tier GB, host cache GB, paths): 6 subgroups, 5 full ones and one of 19 elements.
+TIER_LAYOUTS = {
+    "device-only": (1.0, None, 0),
+    "device+host": (2 * SG / 1e9, None, 0),
+    "device+host+two-paths": (2 * SG / 1e9, 3 * SG / 1e9, 2),
+}
+
+
+def _check_states(engine, masters, opt):
+    """The engine's states equal the reference's (fp32 views, any tier)."""
+    engine.wait_io()
+    for index, sg in enumerate(engine.subgroups):
+        views = engine._views(engine._acquire_sync(index), index)
+        for piece in sg.pieces:
+            part = slice(piece.offset, piece.offset + piece.length)
+            ref = slice(piece.start, piece.start + piece.length)
+            want = [masters[piece.param].detach()[ref]]
+            if opt is not None:
+                st = opt.state[masters[piece.param]]
+                want += [st["exp_avg"][ref], st["exp_avg_sq"][ref]]
+            for got, expected in zip(views, want):
+                assert torch.equal(got[part].cpu(), expected), f"subgroup {index} differs"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cpu-update", "streamed"])
+@pytest.mark.parametrize("layout", sorted(TIER_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_device_tier_and_streamed_update_equal_torch_adamw(tmp_path, monkeypatch, layout,
+                                                           stream, dtype):
+    from megatron_ext.offload.engine import STREAM_SHARE_ENV
+    from megatron_ext.offload.tiers import TierKind
+
+    if stream:
+        monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
+    device_gb, cache_gb, n_tiers = TIER_LAYOUTS[layout]
+    shard, ref_shard = Shard(dtype), Shard(dtype)
+    masters, opt = _reference(ref_shard)
+    engine = _engine(tmp_path, shard, n_tiers, {}, cache_gb=cache_gb,
+                     offload_device_cache_gb=str(device_gb))
+    try:
+        kinds = [engine.tier_of(i).kind for i in range(len(engine.subgroups))]
+        assert kinds.count(TierKind.DEVICE) == (6 if layout == "device-only" else 2), kinds
+        streamed = 0
+        for step in range(5):
+            clip = 0.5 if step == 2 else None
+            inv_scale = torch.tensor([0.25]) if step == 3 else None
+            _step_both(shard, ref_shard, masters, opt, engine, inv_scale, clip)
+            for w, ref in zip(shard.weights, ref_shard.weights):
+                assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
+            streamed += engine.metrics()["offload/streamed_subgroups"]
+        _check_states(engine, masters, opt)
+        if n_tiers:
+            kinds = {engine.tier_of(i).kind for i in range(len(engine.subgroups))}
+            assert kinds == {TierKind.DEVICE, TierKind.HOST, TierKind.PATH}, kinds
+        # Streaming needs host subgroups: none in the device-only layout.
+        assert (streamed > 0) == (stream and layout != "device-only"), streamed
+    finally:
+        engine.close()
+
+
+def _lowp_reference(shard, layout):
+    """Reference of the precision-aware states: stored in the layout's dtypes, fp32 math."""
+    from megatron_ext.training.adamw import adam_update
+
+    states = [[w.float().to(layout.master), torch.zeros(w.numel(), dtype=layout.exp_avg),
+               torch.zeros(w.numel(), dtype=layout.exp_avg_sq)] for w in shard.weights]
+
+    def step(count, inv_scale=None, clip=None):
+        for i, (state, g) in enumerate(zip(states, shard.grads)):
+            grad = g.float()
+            if inv_scale is not None:
+                grad.mul_(inv_scale)
+            if clip is not None:
+                grad.mul_(clip)
+            wide = [t.float() for t in state]
+            adam_update(wide[0], grad, wide[1], wide[2], count, HPARAMS[GROUPS[i]])
+            for t, w in zip(state, wide):
+                t.copy_(w)
+            shard.weights[i].copy_(state[0])
+    return states, step
+
+
+@pytest.mark.parametrize("names", [("fp32", "bf16", "bf16"), ("fp16", "fp32", "fp32")],
+                         ids=["bf16-moments", "fp16-master"])
+def test_precision_aware_states_are_stored_in_their_dtypes(tmp_path, monkeypatch, names):
+    from megatron_ext.offload.engine import STREAM_SHARE_ENV
+    from megatron_ext.offload.io import read_header
+    from megatron_ext.offload.states import StateLayout
+
+    monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
+    layout = StateLayout.from_names(*names)
+    shard, ref_shard = Shard(torch.bfloat16), Shard(torch.bfloat16)
+    states, ref_step = _lowp_reference(ref_shard, layout)
+    tiers = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir()
+        tiers.append(TierSpec(str(tmp_path / f"tier{i}"), read_gbps=2.0 - i, write_gbps=1.0))
+    per = layout.nbytes(700)
+    assert per == 700 * (8 if names[0] == "fp32" else 10)
+    cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
+                        offload_subgroup_size=700, offload_host_cache_gb=3 * per / 1e9,
+                        offload_device_cache_gb=str(per / 1e9))
+    engine = OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"),
+                           tiers=tiers, run_id="test", model_dtype=shard.dtype,
+                           grad_dtype=shard.dtype, layout=layout)
+    try:
+        for step in range(4):
+            shard.new_grads()
+            ref_shard.new_grads()
+            clip = 0.5 if step == 1 else None
+            engine.step(HPARAMS, None, clip)
+            ref_step(step + 1, None, clip)
+            for w, ref in zip(shard.weights, ref_shard.weights):
+                assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
+        assert engine.metrics()["offload/state_bytes_per_element"] == layout.bytes_per_element
+        engine.wait_io()
+        for index, sg in enumerate(engine.subgroups):
+            views = engine._views(engine._acquire_sync(index), index)
+            assert [v.dtype for v in views] == list(layout.dtypes)
+            for piece in sg.pieces:
+                for got, want in zip(views, states[piece.param]):
+                    assert torch.equal(got[piece.offset:piece.offset + piece.length],
+                                       want[piece.start:piece.start + piece.length])
+        files = [f for d in engine.rank_dirs for f in os.listdir(d) if f.endswith(".state")]
+        assert files, "no subgroup on the paths"
+        for d in engine.rank_dirs:
+            for name in os.listdir(d):
+                if name.endswith(".state"):
+                    index = int(name[2:7])
+                    assert read_header(os.path.join(d, name))["payload_bytes"] == \
+                        layout.nbytes(engine.subgroups[index].numel)
+        engine.save(str(tmp_path / "ckpt"), {})
+    finally:
+        engine.close()
+    other = _engine(tmp_path, Shard(torch.bfloat16), 0, {})
+    try:
+        with pytest.raises(UsageError, match="saved as"):
+            other.load(str(tmp_path / "ckpt"), {})
+    finally:
+        other.close()
+
+
+def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, monkeypatch,
+                                                                   caplog):
+    from megatron_ext.offload.engine import MEMORY_LIMIT_ENV, MEMORY_PEAK_ENV
+
+    # 60 kB of device memory; a peak besides the states of 25 kB at step 1 (room for 4
+    # subgroups of 8.4 kB), 45 kB from step 3 on (room for 1).
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(60e3 / 1e9))
+    monkeypatch.setenv(MEMORY_PEAK_ENV, f"1:{25e3 / 1e9},3:{45e3 / 1e9}")
+    shard, ref_shard = Shard(torch.bfloat16), Shard(torch.bfloat16)
+    masters, opt = _reference(ref_shard)
+    engine = _engine(tmp_path, shard, 1, {}, cache_gb=4 * SG / 1e9,
+                     offload_device_cache_gb="auto", offload_device_reserve_gb=2e-6)
+    try:
+        assert engine.device_members == []
+        sizes = []
+        with caplog.at_level("INFO", logger="megatron_ext.offload.engine"):
+            for step in range(4):
+                _step_both(shard, ref_shard, masters, opt, engine, None, None)
+                for w, ref in zip(shard.weights, ref_shard.weights):
+                    assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
+                sizes.append(engine.device_bytes())
+        # Budget 60 - 25 - 2 = 33 kB: three full subgroups and the small one; then 13 kB.
+        assert sizes[0] == sizes[1] == 3 * SG + 19 * 12, sizes
+        assert sizes[2] == sizes[3] <= 13e3 and sizes[2] > 0, sizes
+        assert any("device tier (auto)" in r.message for r in caplog.records)
+        assert any("gives back" in r.message for r in caplog.records)
+        _check_states(engine, masters, opt)
+    finally:
+        engine.close()
+
+
+def test_auto_device_tier_on_the_cpu_needs_a_size(tmp_path, monkeypatch):
+    from megatron_ext.offload.engine import MEMORY_LIMIT_ENV
+
+    monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
+    with pytest.raises(UsageError, match="give a size in GB"):
+        _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")

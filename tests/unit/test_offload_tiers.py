@@ -493,3 +493,101 @@ def test_probe_repeats_really_move_the_bytes(tmp_path, monkeypatch):
         len(data)) or real_pwrite(fd, data, offset))
     probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=2, repeats=3)
     assert sum(written) == 3 * 2 * 2**20
+
+
+# ------------------------------------------------------------------------ the tier model
+
+
+@pytest.mark.parametrize("count,n,expected", [
+    (0, 5, []), (1, 5, [2]), (2, 6, [1, 4]), (3, 6, [1, 3, 5]), (6, 6, [0, 1, 2, 3, 4, 5])])
+def test_spread(count, n, expected):
+    assert tiers.spread(count, n) == expected
+
+
+@pytest.mark.parametrize("sizes,budget,expected", [
+    ([10] * 6, 0, []),
+    ([10] * 6, 25, [1, 4]),
+    ([10] * 6, 60, [0, 1, 2, 3, 4, 5]),
+    ([10] * 6, 1000, [0, 1, 2, 3, 4, 5]),
+    ([10, 10, 10, 10, 10, 1], 29, [1, 3, 5]),  # the small last one makes room for three
+    ([], 100, []),
+])
+def test_fixed_device_subgroups(sizes, budget, expected):
+    assert tiers.fixed_device_subgroups(sizes, budget) == expected
+
+
+@pytest.mark.parametrize("limit,peak,states,reserve,expected", [
+    (100, 30, 0, 10, 60),     # first step: nothing on the device yet
+    (100, 70, 40, 10, 60),    # the peak includes the tier's own 40
+    (100, 95, 40, 10, 35),    # a larger peak later: the tier must shrink to 35
+    (100, 120, 0, 10, 0),     # no room at all
+    (100, 10, 40, 0, 100),    # a peak below the states (measured before they existed)
+])
+def test_device_budget(limit, peak, states, reserve, expected):
+    assert tiers.device_budget(limit, peak, states, reserve) == expected
+
+
+@pytest.mark.parametrize("members,budget,candidates,joining,leaving", [
+    ([], 25, [3, 1, 0, 2], [3, 1], []),
+    ([], 25, [3, 5, 1], [3, 5, 1], []),        # the small one fits beside two full ones
+    ([], 5, [0, 1, 5], [5], []),               # full ones skipped, the small one fits
+    ([3, 1], 30, [], [], []),                  # sized: no growth without candidates
+    ([3, 1, 0], 15, [], [], [0, 1]),           # the last to join leaves first
+    ([3, 1, 0], 0, [], [], [0, 1, 3]),
+])
+def test_resize_device_tier(members, budget, candidates, joining, leaving):
+    sizes = [10, 10, 10, 10, 10, 2]
+    assert tiers.resize_device_tier(members, sizes, budget, candidates) == (joining, leaving)
+
+
+@pytest.mark.parametrize("bpe,h2d,d2h,device,expected", [
+    (12, 24.0, 24.0, 100e9, 2e9),       # PCIe-bound: 24 GB/s / 12 B
+    (8, 24.0, 12.0, 100e9, 1.5e9),      # the slower direction bounds it
+    (12, 1200.0, 1200.0, 50e9, 50e9),   # device-bound
+])
+def test_stream_rate(bpe, h2d, d2h, device, expected):
+    assert tiers.stream_rate(bpe, h2d, d2h, device) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("cpu,stream,expected", [
+    (None, None, 0.5), (4e9, None, 0.5), (4e9, 4e9, 0.5), (1e9, 3e9, 0.75), (3e9, 1e9, 0.25)])
+def test_stream_share_makes_both_sides_end_together(cpu, stream, expected):
+    share = tiers.stream_share(cpu, stream)
+    assert share == pytest.approx(expected)
+    if cpu and stream:
+        n = 1e9
+        assert share * n / stream == pytest.approx((1 - share) * n / cpu)
+
+
+@pytest.mark.parametrize("sizes,share,expected", [
+    ([10] * 4, 0.0, [False] * 4),
+    ([10] * 4, 1.0, [True] * 4),
+    ([10] * 4, 0.5, [True, False, True, False]),
+    ([10] * 8, 0.25, [False, False, True, False, False, False, True, False]),
+    ([10, 10, 10, 2], 0.75, [True, True, False, True]),
+    ([], 0.5, []),
+])
+def test_split_updates(sizes, share, expected):
+    got = tiers.split_updates(sizes, share)
+    assert got == expected
+    if sizes:
+        streamed = sum(s for s, on in zip(sizes, got) if on)
+        assert abs(streamed - share * sum(sizes)) <= max(sizes) / 2 + 1e-9
+
+
+def test_update_rates_follow_the_measurements():
+    rates = tiers.UpdateRates(alpha=0.5)
+    assert rates.share() == 0.5
+    rates.observe(4_000, 1.0, 0, 0.0)          # nothing streamed yet: the prior
+    assert rates.share() == 0.5
+    rates.observe(4_000, 1.0, 12_000, 1.0)
+    assert rates.share() == pytest.approx(0.75)
+    rates.observe(4_000, 1.0, 4_000, 1.0)      # the stream slows: EWMA 8000 vs 4000
+    assert rates.stream == pytest.approx(8_000)
+    assert rates.share() == pytest.approx(8 / 12)
+
+
+def test_tier_records():
+    assert str(tiers.DEVICE_TIER) == "device" and str(tiers.HOST_TIER) == "host"
+    assert str(tiers.Tier(tiers.TierKind.PATH, 1)) == "path1"
+    assert tiers.Tier(tiers.TierKind.PATH, 1) == tiers.Tier(tiers.TierKind.PATH, 1)
