@@ -393,6 +393,7 @@ class OffloadEngine:
             return
         limit, peak = self._memory()
         reserve = int(self.cfg.offload_device_reserve_gb * 1e9)
+        others = max(0, peak - self.device_bytes())  # what the iteration needs besides
         budget = device_budget(limit, peak, self.device_bytes(), reserve)
         candidates = [] if self.device_sized else self._promotion_order()
         joining, leaving = resize_device_tier(self.device_members, self.sizes, budget,
@@ -406,8 +407,7 @@ class OffloadEngine:
             log.info("offload: rank %d device tier (auto): %d of %d subgroups, %s GB "
                         "(device memory %s GB, peak besides it %s GB, reserve %s GB)",
                         self.rank, len(self.device_members), len(self.subgroups),
-                        _gb(self.device_bytes()), _gb(limit),
-                        _gb(max(0, peak - self.device_bytes())), _gb(reserve))
+                        _gb(self.device_bytes()), _gb(limit), _gb(others), _gb(reserve))
         elif leaving:
             log.warning("offload: rank %d device tier gives back %d subgroups (%s GB) to the "
                         "host: the peak grew to %s GB; it keeps %d (%s GB)", self.rank,
@@ -1217,6 +1217,10 @@ class OffloadEngine:
         host = self.cache.allocated * self.buffer_bytes
         record["offload/host_cache_gib"] = host / 2**30
         record["offload/device_tier_gib"] = self.device_bytes() / 2**30
+        # What the tier really holds in GPU memory (the tensors' own device, not the plan).
+        record["offload/device_tier_cuda_gib"] = sum(
+            t.numel() * t.element_size() for t in self._device_states.values()
+            if t.is_cuda) / 2**30
         record["offload/device_subgroups_n"] = len(self.device_members)
         record["offload/device_update_s"] = s.time["device_update"] / steps
         record["offload/stream_issue_s"] = s.time["stream_issue"] / steps

@@ -50,7 +50,11 @@ def test_offload_on_cuda_follows_the_gpu_optimizer(tmp_path, layout):
 
 
 def test_offload_resume_on_cuda(tmp_path):
-    flags = [*BASE, "--offload-optimizer", *tier_flags(tmp_path), "--offload-direct-io"]
+    # Every subgroup by CPU Adam: with the streamed update the CPU/GPU split follows the
+    # measured throughputs, and the two Adams round differently, so a resumed run is equal
+    # only to rounding (test_streamed_share_follows_measured_rates_on_cuda).
+    flags = [*BASE, "--offload-optimizer", *tier_flags(tmp_path), "--offload-direct-io",
+             "--no-offload-gpu-update"]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
     assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)
 
@@ -85,9 +89,8 @@ def test_state_tiers_on_cuda_follow_the_cpu_update(tmp_path, layout):
     assert last["offload/device_subgroups_n"] == (12 if layout == "device-only" else 4)
     assert last["offload/device_tier_gib"] * 2**30 >= 4 * 120_000
     assert (last["offload/streamed_subgroups"] > 0) == layout.endswith("streamed")
-    # The states on the device count in its peak: more than the CPU run's.
-    cpu_last = [r for r in read_metrics(cpu) if "offload/cache_hit_rate" in r][-1]
-    assert last["memory/gpu_max_allocated_gib"] > cpu_last["memory/gpu_max_allocated_gib"]
+    # The device tier's states are CUDA tensors, all of them.
+    assert last["offload/device_tier_cuda_gib"] == pytest.approx(last["offload/device_tier_gib"])
 
 
 def test_streamed_share_follows_measured_rates_on_cuda(tmp_path):
@@ -116,6 +119,6 @@ def test_auto_device_tier_on_cuda(tmp_path):
 def test_all_tiers_resume_on_cuda(tmp_path):
     flags = [*BASE, "--offload-optimizer", *tier_flags(tmp_path), "--offload-device-cache-gb",
              "0.0005", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
-             "--exp-avg-sq-dtype", "bf16"]
+             "--exp-avg-sq-dtype", "bf16", "--no-offload-gpu-update"]  # see above
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
     assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)
