@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from megatron_ext.config.sections import (
     CheckpointConfig,
@@ -15,6 +14,7 @@ from megatron_ext.config.sections import (
     RuntimeConfig,
     TrainingConfig,
 )
+from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.zenflow.config import ZenFlowConfig
@@ -45,16 +45,7 @@ class RunConfig:
             raise UsageError("--mock-data and --data-path are exclusive; give one of them")
         if not data.mock_data and not data.data_path:
             raise UsageError("no training data: give --data-path PREFIX (or --mock-data)")
-        if data.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-            if not data.tokenizer_model:
-                raise UsageError(f"--tokenizer-type {data.tokenizer_type} needs --tokenizer-model")
-            if not os.path.isfile(data.tokenizer_model):
-                raise UsageError(
-                    f"--tokenizer-model {data.tokenizer_model}: file not found; train one with "
-                    "tools/train_tokenizer.py"
-                )
-        elif data.tokenizer_model:
-            raise UsageError("--tokenizer-model needs --tokenizer-type SentencePieceTokenizer")
+        check_tokenizer_flags(data)
         if data.tokenizer_type in (None, "NullTokenizer") and data.vocab_size is None:
             raise UsageError(
                 "no vocabulary: give --tokenizer-type SentencePieceTokenizer --tokenizer-model "

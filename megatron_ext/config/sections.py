@@ -253,13 +253,42 @@ class DataConfig:
     """Train on megatron-core's synthetic MockGPTDataset instead of --data-path (smoke runs;
     the vocabulary comes from --vocab-size or the tokenizer)."""
     tokenizer_type: Optional[str] = option(
-        None, choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"))
-    """Tokenizer: a SentencePiece model (--tokenizer-model; both names load it the same
-    way, EOD is its end-of-sentence id), or NullTokenizer (ids as they are, --vocab-size)."""
+        None, choices=("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                       "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                       "NullTokenizer"))
+    """Tokenizer, as Megatron-LM's class of that name: GPT2BPETokenizer (--vocab-file,
+    --merge-file; EOD <|endoftext|>), SentencePieceTokenizer (--tokenizer-model plus
+    Megatron-LM's special tokens <CLS> <SEP> <EOD> <MASK> past its pieces; EOD <EOD>),
+    GPTSentencePieceTokenizer (the model as it is; EOD </s>), Llama2Tokenizer (<s> before
+    every text; EOD </s>), HuggingFaceTokenizer (--tokenizer-model a local directory or
+    tokenizer.json; EOD its eos token), TikTokenizer (--tokenizer-model a tiktoken JSON
+    vocabulary, --tiktoken-pattern; EOD </s>), or NullTokenizer (ids as they are,
+    --vocab-size)."""
     tokenizer_model: Optional[str] = None
-    """Path of the SentencePiece .model file."""
+    """The tokenizer's file: a SentencePiece .model (SentencePieceTokenizer,
+    GPTSentencePieceTokenizer, Llama2Tokenizer), a Hugging Face tokenizer directory or
+    tokenizer.json (HuggingFaceTokenizer; local files only), or Megatron-LM's tiktoken
+    JSON vocabulary (TikTokenizer)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer and --mock-data without a tokenizer."""
+    """Vocabulary size for NullTokenizer and --mock-data without a tokenizer; with
+    TikTokenizer the whole vocabulary, special tokens included (default 131072)."""
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer's vocabulary (GPT-2's vocab.json)."""
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer's BPE merges (GPT-2's merges.txt)."""
+    vocab_extra_ids: int = 0
+    """SentencePieceTokenizer: add this many <extra_id_N> special tokens (T5 sentinels)."""
+    tiktoken_pattern: Optional[str] = option(None, choices=("v1", "v2"))
+    """TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 pattern."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids 0..N-1 are special tokens (the given ones, then <SPECIAL_i>
+    fillers); the vocabulary file's tokens follow."""
+    tokenizer_special_tokens: Optional[List[str]] = option(None, nargs="+", metavar="TOKEN")
+    """TikTokenizer's special tokens, in id order; must include <unk> <s> </s> (the
+    default is just those three)."""
+    tiktoken_special_tokens: Optional[List[str]] = option(None, nargs="+", metavar="TOKEN")
+    """Megatron-LM's older spelling of --tokenizer-special-tokens (used when that is not
+    given)."""
     eod_mask_loss: bool = False
     """Do not compute the loss on end-of-document tokens."""
     num_workers: int = 0
@@ -269,7 +298,9 @@ class DataConfig:
     choice, a folder PREFIX/cache beside each data prefix)."""
 
     def __post_init__(self):
-        _positive(self, "vocab_size")
+        _positive(self, "vocab_size", "tiktoken_num_special_tokens")
+        if self.vocab_extra_ids < 0:
+            raise UsageError("--vocab-extra-ids must be >= 0")
         if self.num_workers < 0:
             raise UsageError("--num-workers must be >= 0")
 
