@@ -65,7 +65,8 @@ def _gpt2_reference(vocab_file, merges_file):
     with open(merges_file, encoding="utf-8") as f:
         merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line]
     ranks = {pair: i for i, pair in enumerate(merges)}
-    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+"""
+                            r"""| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
     def encode(text):
         ids = []
