@@ -346,21 +346,62 @@ class LoggingConfig:
     timing_log_level: int = option(0, choices=(0, 1, 2))
     """Detail of the timers: 0 the iteration breakdown, 1 and 2 finer timers."""
     profile: bool = False
-    """Profile iterations --profile-step-start to --profile-step-end with torch.profiler
-    (CPU and CUDA): a table of the operators and labelled ranges by time, and a Chrome
-    trace, in --profile-dir."""
+    """Profile iterations --profile-step-start+1 to --profile-step-end on --profile-ranks,
+    as Megatron-LM: by itself, an nsys capture range (cudaProfilerStart/Stop and NVTX
+    ranges around those steps; run under 'nsys profile --capture-range=cudaProfilerApi
+    --capture-range-end=stop'; needs CUDA); with --use-pytorch-profiler, torch.profiler
+    (CPU and CUDA)."""
+    use_pytorch_profiler: bool = False
+    """With --profile: torch.profiler instead of an nsys range. Writes a table of the
+    operators and labelled ranges by time and a Chrome trace to --profile-dir
+    (rankN-iterA-B.txt/.json), and, as Megatron-LM, the trace to --tensorboard-dir for
+    TensorBoard's profiler plugin when that is given."""
     profile_step_start: int = 10
-    """First profiled iteration (1-based)."""
+    """Profiling starts after this many iterations (the first profiled one is the next)."""
     profile_step_end: int = 12
-    """Last profiled iteration."""
+    """Last profiled iteration (1-based)."""
     profile_ranks: List[int] = option(default_factory=lambda: [0], nargs="+", metavar="RANK")
     """Global ranks that profile."""
     profile_dir: str = "profile"
-    """Directory of the profiler's files (rankN-iterA-B.txt and .json)."""
+    """Directory of --use-pytorch-profiler's files (rankN-iterA-B.txt and .json)."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard event files to this directory (the last rank writes, as in
+    Megatron-LM), with Megatron-LM's tag names ('lm loss', 'learning-rate', 'batch-size',
+    'grad-norm', 'loss-scale', 'lm loss validation', ... and their 'vs samples' twins)."""
+    tensorboard_log_interval: int = 1
+    """Write the training scalars to TensorBoard every this many iterations."""
+    tensorboard_queue_size: int = 1000
+    """Events TensorBoard's writer queues before it flushes to disk."""
+    log_timers_to_tensorboard: bool = False
+    """Write 'iteration-time' and the timers of --timing-log-level (1: forward-backward,
+    all-grads-sync, optimizer; 2: also forward-compute, backward-compute) as '<name>-time',
+    in seconds per iteration, every --log-interval iterations."""
+    log_loss_scale_to_tensorboard: bool = option(True,
+                                                 negate="--no-log-loss-scale-to-tensorboard")
+    """Do not write 'loss-scale' to TensorBoard (written by default, as in Megatron-LM)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write 'lm loss validation ppl' (the validation perplexity) to TensorBoard."""
+    log_memory_to_tensorboard: bool = False
+    """Write CUDA memory statistics (mem-reserved-bytes, mem-allocated-bytes,
+    mem-max-allocated-bytes, mem-allocated-count) to TensorBoard; needs a GPU."""
+    log_world_size_to_tensorboard: bool = False
+    """Write 'world-size' to TensorBoard."""
 
     def __post_init__(self):
-        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_end:
-            raise UsageError("--profile needs 1 <= --profile-step-start <= --profile-step-end")
+        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
+            raise UsageError("--profile needs 0 <= --profile-step-start < --profile-step-end "
+                             "(it profiles iterations start+1 to end)")
+        if self.use_pytorch_profiler and not self.profile:
+            raise UsageError("--use-pytorch-profiler chooses how --profile profiles; add "
+                             "--profile")
+        _positive(self, "tensorboard_log_interval", "tensorboard_queue_size")
+        tb_only = [name for name in ("log_timers_to_tensorboard",
+                                     "log_validation_ppl_to_tensorboard",
+                                     "log_memory_to_tensorboard", "log_world_size_to_tensorboard")
+                   if getattr(self, name)]
+        if tb_only and not self.tensorboard_dir:
+            raise UsageError(f"--{tb_only[0].replace('_', '-')} writes to TensorBoard: add "
+                             "--tensorboard-dir DIR")
 
 
 @dataclasses.dataclass

@@ -31,6 +31,7 @@ from megatron_ext.training.metrics import (
 from megatron_ext.training.optimizer import close_optimizer, optimizer_metrics
 from megatron_ext.training.profiling import Profiler
 from megatron_ext.training.signals import ExitSignalHandler
+from megatron_ext.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("megatron_ext")
 
@@ -162,6 +163,7 @@ class Trainer:
         self.num_microbatches = cfg.training.global_batch_size // (
             cfg.training.micro_batch_size * rt.dp)
         self.writer = MetricsWriter(cfg, enabled=rt.rank == 0)
+        self.tensorboard = TensorBoardWriter(cfg, rt.rank, rt.world_size, rt.is_cpu)
         log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d), %.2fM parameters, vocab %d "
                  "(padded from %d), %d micro-batches per iteration",
                  rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp, self.num_params / 1e6,
@@ -202,13 +204,16 @@ class Trainer:
         else:
             torch.cuda.synchronize()
 
-    def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False):
+    def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False,
+                   step_loss: bool = False):
         """One iteration: forward/backward over the micro-batches, then the optimizer.
 
         Adds the iteration's (loss, tokens) into ``interval_loss``. With ``logs`` (the
         iteration is logged) returns what the log reads from the GPU, on its way to the
         host before the optimizer step (see :class:`ToHost`): the global (loss, tokens)
-        sum and the loss scale this iteration's backward ran with; else None.
+        sum and the loss scale this iteration's backward ran with; else None. With
+        ``step_loss`` (TensorBoard writes this iteration) the same, plus this iteration's
+        own global (loss, tokens) sum as ``step_loss``.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -228,12 +233,16 @@ class Trainer:
         )
         self._synchronize()
         t_fb = watch.lap()
-        interval_loss += _sum_reports(losses, self.runtime.device)
+        step_sum = _sum_reports(losses, self.runtime.device)
+        interval_loss += step_sum
         reads = None
-        if logs:
+        if logs or step_loss:
             scale = self.optimizer.get_loss_scale()
-            reads = {"loss": _global_sum(interval_loss),
-                     "loss_scale": ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
+            reads = {"loss_scale": ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
+            if logs:
+                reads["loss"] = _global_sum(interval_loss)
+            if step_loss:
+                reads["step_loss"] = _global_sum(step_sum)
         ok, grad_norm, _ = self.optimizer.step()
         self._synchronize()
         t_opt = watch.lap()
@@ -311,6 +320,18 @@ class Trainer:
         if rt.rank == 0:
             print(format_line(record, cfg.training.train_iters), flush=True)
         self.writer.write(record)
+        self.tensorboard.timers(record)
+
+    def _log_tensorboard(self, reads: dict, grad_norm) -> None:
+        """This iteration's scalars to TensorBoard (Megatron-LM's tags)."""
+        scale = reads["loss_scale"]
+        self.tensorboard.train(self.state.iteration, self.state.consumed_train_samples, {
+            "lm_loss": _mean(reads["step_loss"]),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "global_batch_size": self.cfg.training.global_batch_size,
+            "loss_scale": maybe_float(scale.get() if isinstance(scale, ToHost) else scale),
+            "grad_norm": maybe_float(grad_norm),
+        })
 
     def train(self) -> int:
         """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
@@ -323,13 +344,15 @@ class Trainer:
         iters = 0
         t_fb = t_opt = 0.0
         window = Stopwatch()
-        profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
+        profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu, cfg.logging.tensorboard_dir)
         with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
                 it = self.state.iteration + 1
                 profiler.before(it)
                 logs = it % train.log_interval == 0 or it == train.train_iters
-                reads, ok, grad_norm, fb, opt = self.train_step(data_iterator, interval_loss, logs)
+                tb = self.tensorboard.wants(it)
+                reads, ok, grad_norm, fb, opt = self.train_step(data_iterator, interval_loss, logs,
+                                                                step_loss=tb)
                 self.state.iteration = it
                 profiler.after(self.state.iteration)
                 self.state.consumed_train_samples += train.global_batch_size
@@ -337,6 +360,8 @@ class Trainer:
                     self.state.optimizer_steps += 1
                 else:
                     self.state.skipped_iterations += 1
+                if tb:
+                    self._log_tensorboard(reads, grad_norm)
                 iters += 1
                 t_fb += fb
                 t_opt += opt
@@ -374,11 +399,14 @@ class Trainer:
                   f"{loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
         self.writer.write({"iteration": self.state.iteration, "eval/lm_loss": loss,
                            "eval/lm_ppl": ppl})
+        self.tensorboard.validation(self.state.iteration, self.state.consumed_train_samples,
+                                    loss, ppl)
 
     def close(self) -> None:
         """Closes the metrics writers and the optimizer's threads and files."""
         close_optimizer(self.optimizer)
         self.writer.close()
+        self.tensorboard.close()
 
 
 def pretrain(cfg) -> int:
