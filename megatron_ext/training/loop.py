@@ -323,7 +323,7 @@ class Trainer:
         self.tensorboard.timers(record)
 
     def _log_tensorboard(self, reads: dict, grad_norm) -> None:
-        """This iteration's scalars to TensorBoard (Megatron-LM's tags)."""
+        """Writes the iteration's scalars to TensorBoard (Megatron-LM's tags)."""
         scale = reads["loss_scale"]
         self.tensorboard.train(self.state.iteration, self.state.consumed_train_samples, {
             "lm_loss": _mean(reads["step_loss"]),
