@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import time
 from typing import Optional
 
 import torch
@@ -105,8 +107,11 @@ class Profiler:
         prof.export_chrome_trace(stem + ".json")
         where = f"{stem}.txt and .json"
         if self.tensorboard_dir:
-            torch.profiler.tensorboard_trace_handler(
-                self.tensorboard_dir, worker_name=f"rank{self.rank}")(prof)
+            # A trace is saved once: the plugin's copy is the same file under the name
+            # torch.profiler.tensorboard_trace_handler would give it.
+            os.makedirs(self.tensorboard_dir, exist_ok=True)
+            shutil.copyfile(stem + ".json", os.path.join(
+                self.tensorboard_dir, f"rank{self.rank}.{int(time.time() * 1000)}.pt.trace.json"))
             where += f", and the trace to {self.tensorboard_dir}"
         log.info("profile of iterations %d-%d written to %s", self._first, last, where)
 
