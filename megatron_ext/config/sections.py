@@ -140,10 +140,28 @@ class ParallelConfig:
     """Elements per gradient-reduce bucket (default: megatron-core's choice)."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved 1F1B: each pipeline rank holds several model chunks (virtual stages)
+    of this many layers, and megatron-core's interleaved schedule runs them (needs
+    --pipeline-model-parallel-size >= 2, and a number of micro-batches that is a multiple
+    of it)."""
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    """Interleaved 1F1B, given as the number of model chunks (virtual stages) per
+    pipeline rank instead of --num-layers-per-virtual-pipeline-stage."""
+    overlap_p2p_comm: bool = option(True, negate="--no-overlap-p2p-communication")
+    """With the interleaved schedule, do not overlap the pipeline's send/receive with the
+    chunks' compute (batched p2p instead; Megatron-LM then needs
+    --pipeline-model-parallel-size > 2)."""
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "ddp_bucket_size", "distributed_timeout_minutes")
+                  "ddp_bucket_size", "distributed_timeout_minutes",
+                  "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+        if (self.num_layers_per_virtual_pipeline_stage is not None
+                and self.num_virtual_stages_per_pipeline_rank is not None):
+            raise UsageError("--num-layers-per-virtual-pipeline-stage and "
+                             "--num-virtual-stages-per-pipeline-rank both set the interleaved "
+                             "schedule's chunks; give one of them")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise UsageError("--overlap-param-gather needs --use-distributed-optimizer")
 

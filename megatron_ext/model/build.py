@@ -31,6 +31,11 @@ def transformer_config(cfg, runtime):
 
     m, par = cfg.model, cfg.parallel
     dtype = _dtype(cfg)
+    vpp = cfg.virtual_pipeline_size()
+    # Interleaved schedule: Megatron-LM overlaps the p2p with compute unless told not to
+    # (then batched p2p); without interleaving megatron-core's defaults stay.
+    p2p = ({"overlap_p2p_comm": par.overlap_p2p_comm, "batch_p2p_comm": not par.overlap_p2p_comm}
+           if vpp else {})
     on_gpu = not runtime.is_cpu
     add_bias = not m.disable_bias_linear
     activation_fusion = on_gpu and (m.swiglu or add_bias)
@@ -55,6 +60,8 @@ def transformer_config(cfg, runtime):
         autocast_dtype=dtype,
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        **p2p,
         use_cpu_initialization=runtime.is_cpu,
         perform_initialization=True,
         recompute_granularity=m.recompute_granularity,
@@ -98,7 +105,12 @@ def _layer_spec(cfg, config):
 
 
 def build_model(cfg, runtime, vocab_size: int):
-    """Builds this rank's GPTModel stage, wrapped in Float16Module (bf16/fp16) and DDP.
+    """Builds this rank's GPTModel chunks, each wrapped in Float16Module (bf16/fp16) and DDP.
+
+    One chunk, or with the interleaved schedule (--num-layers-per-virtual-pipeline-stage)
+    one per virtual stage: chunk i holds the layers of virtual stage i of this pipeline
+    rank (megatron-core places them), the first stage's first chunk the embedding and the
+    last stage's last chunk the output layer.
 
     Returns:
         (list of DDP-wrapped model chunks, TransformerConfig)
@@ -109,23 +121,8 @@ def build_model(cfg, runtime, vocab_size: int):
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(cfg, runtime)
-    m = cfg.model
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(cfg, config),
-        vocab_size=vocab_size,
-        max_sequence_length=m.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.rotary_base,
-    )
-    if not runtime.is_cpu:
-        model.cuda(torch.cuda.current_device())
-    if config.bf16 or config.fp16:
-        model = Float16Module(config, model)
-    par = cfg.parallel
+    m, par = cfg.model, cfg.parallel
+    vpp = cfg.virtual_pipeline_size()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=par.overlap_grad_reduce,
@@ -133,10 +130,35 @@ def build_model(cfg, runtime, vocab_size: int):
         use_distributed_optimizer=par.use_distributed_optimizer,
         bucket_size=par.ddp_bucket_size,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    # Same initial weights on every data-parallel rank.
-    ddp.broadcast_params()
-    return [ddp], config
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_spec(cfg, config),
+            vocab_size=vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_base=m.rotary_base,
+            vp_stage=vp_stage,
+        )
+        if not runtime.is_cpu:
+            model.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        # As Megatron-LM: only the first chunk's gradients are bucketed (the others' are
+        # one bucket each, reduced when their last backward is done).
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                      disable_bucketing=stage > 0)
+        # Same initial weights on every data-parallel rank.
+        ddp.broadcast_params()
+        chunks.append(ddp)
+    return chunks, config
 
 
 def count_parameters(model_chunks) -> int:

@@ -164,9 +164,11 @@ class Trainer:
             cfg.training.micro_batch_size * rt.dp)
         self.writer = MetricsWriter(cfg, enabled=rt.rank == 0)
         self.tensorboard = TensorBoardWriter(cfg, rt.rank, rt.world_size, rt.is_cpu)
-        log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d), %.2fM parameters, vocab %d "
+        log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d%s), %.2fM parameters, vocab %d "
                  "(padded from %d), %d micro-batches per iteration",
-                 rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp, self.num_params / 1e6,
+                 rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp,
+                 f", interleaved: {len(self.model)} model chunks per pipeline rank"
+                 if len(self.model) > 1 else "", self.num_params / 1e6,
                  self.vocab_size, tokenizer.vocab_size, self.num_microbatches)
 
     def _wire_megatron_hooks(self, finalize_model_grads) -> None:
@@ -175,11 +177,17 @@ class Trainer:
         config.grad_scale_func = self.optimizer.scale_loss
         config.timers = self.timers
         config.finalize_model_grads_func = finalize_model_grads
+        # One function per model chunk with the interleaved schedule (Megatron-LM's wiring).
+        one = len(self.model) == 1
         if par.overlap_grad_reduce:
-            config.no_sync_func = self.model[0].no_sync
-            config.grad_sync_func = self.model[0].start_grad_sync
+            no_sync = [chunk.no_sync for chunk in self.model]
+            config.no_sync_func = no_sync[0] if one else no_sync
+            config.grad_sync_func = [chunk.start_grad_sync for chunk in self.model]
+            if one:
+                config.grad_sync_func = config.grad_sync_func[0]
         if par.overlap_param_gather:
-            config.param_sync_func = self.model[0].start_param_sync
+            param_sync = [chunk.start_param_sync for chunk in self.model]
+            config.param_sync_func = param_sync[0] if one else param_sync
 
     @contextlib.contextmanager
     def _params_gathered(self):
@@ -203,6 +211,17 @@ class Trainer:
             torch.cuda.current_stream(self.runtime.device).synchronize()
         else:
             torch.cuda.synchronize()
+
+    def _data_iterator(self, make_loader, loader):
+        """The schedule's data iterator: one, or one per model chunk (interleaved schedule).
+
+        Every chunk's forward step reads its own micro-batch (its stage's tokens and labels),
+        so with several chunks each gets its own loader over the same samples, as in
+        Megatron-LM.
+        """
+        if len(self.model) == 1:
+            return iter(loader)
+        return [iter(loader)] + [iter(make_loader()) for _ in self.model[1:]]
 
     def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False,
                    step_loss: bool = False):
@@ -258,7 +277,8 @@ class Trainer:
         loader = build_loader(self.valid_ds, 0, cfg, self.runtime)
         if loader is None or len(loader) < cfg.training.eval_iters * self.num_microbatches:
             return float("nan")
-        it = iter(loader)
+        it = self._data_iterator(lambda: build_loader(self.valid_ds, 0, cfg, self.runtime),
+                                 loader)
         total = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         for chunk in self.model:
             chunk.eval()
@@ -337,8 +357,10 @@ class Trainer:
         """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
         cfg, rt = self.cfg, self.runtime
         train = cfg.training
-        loader = build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
-        data_iterator = iter(loader)
+        consumed = self.state.consumed_train_samples
+        data_iterator = self._data_iterator(
+            lambda: build_loader(self.train_ds, consumed, cfg, rt),
+            build_loader(self.train_ds, consumed, cfg, rt))
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
         iters = 0
