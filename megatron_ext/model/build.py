@@ -72,7 +72,10 @@ def transformer_config(cfg, runtime):
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        deallocate_pipeline_outputs=True,
+        # Frees a stage's output once sent. Not with the interleaved schedule on the CPU:
+        # its sends are overlapped (gloo's isend still reads the tensor after the schedule
+        # moved on), and freeing the storage under it sent garbage (NaN losses).
+        deallocate_pipeline_outputs=on_gpu or not vpp,
         # Sum the per-micro-batch losses of the schedule as Megatron-LM's GPT does.
         calculate_per_token_loss=False,
     )

@@ -212,7 +212,7 @@ class Trainer:
         else:
             torch.cuda.synchronize()
 
-    def _data_iterator(self, make_loader, loader):
+    def _data_iterator(self, make_loader):
         """The schedule's data iterator: one, or one per model chunk (interleaved schedule).
 
         Every chunk's forward step reads its own micro-batch (its stage's tokens and labels),
@@ -220,8 +220,8 @@ class Trainer:
         Megatron-LM.
         """
         if len(self.model) == 1:
-            return iter(loader)
-        return [iter(loader)] + [iter(make_loader()) for _ in self.model[1:]]
+            return iter(make_loader())
+        return [iter(make_loader()) for _ in self.model]
 
     def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False,
                    step_loss: bool = False):
@@ -277,8 +277,7 @@ class Trainer:
         loader = build_loader(self.valid_ds, 0, cfg, self.runtime)
         if loader is None or len(loader) < cfg.training.eval_iters * self.num_microbatches:
             return float("nan")
-        it = self._data_iterator(lambda: build_loader(self.valid_ds, 0, cfg, self.runtime),
-                                 loader)
+        it = self._data_iterator(lambda: build_loader(self.valid_ds, 0, cfg, self.runtime))
         total = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         for chunk in self.model:
             chunk.eval()
@@ -358,9 +357,7 @@ class Trainer:
         cfg, rt = self.cfg, self.runtime
         train = cfg.training
         consumed = self.state.consumed_train_samples
-        data_iterator = self._data_iterator(
-            lambda: build_loader(self.train_ds, consumed, cfg, rt),
-            build_loader(self.train_ds, consumed, cfg, rt))
+        data_iterator = self._data_iterator(lambda: build_loader(self.train_ds, consumed, cfg, rt))
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
         iters = 0
