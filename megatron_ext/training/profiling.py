@@ -7,8 +7,8 @@ As Megatron-LM's ``--profile``:
   before the first profiled step, ``stop()`` after the last. Run under ``nsys profile
   --capture-range=cudaProfilerApi --capture-range-end=stop``. Without CUDA there is no
   capture range to open: that is refused, in one line, rather than run unprofiled.
-* with ``--use-pytorch-profiler``, torch.profiler (CPU and CUDA activities, shapes and
-  stacks recorded as Megatron-LM does). Writes ``<--profile-dir>/rank<R>-iter<A>-<B>.txt``
+* with ``--use-pytorch-profiler``, torch.profiler (CPU and CUDA activities; unlike
+  Megatron-LM, without shapes and Python stacks). Writes ``<--profile-dir>/rank<R>-iter<A>-<B>.txt``
   (operators and labelled ranges such as ``zenflow/send_delayed_grads`` by total CPU time,
   then by device time) and a Chrome trace ``.json`` of the same iterations (chrome://tracing
   or Perfetto; ``bench/profile_summary.py``), and, when ``--tensorboard-dir`` is given, the
@@ -66,8 +66,9 @@ class Profiler:
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if not self.is_cpu:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
-                self._prof = torch.profiler.profile(activities=activities, record_shapes=True,
-                                                    with_stack=True)
+                # Without Megatron-LM's record_shapes/with_stack: on the CPU they multiply
+                # the profiled steps' time and push the labelled ranges out of the table.
+                self._prof = torch.profiler.profile(activities=activities)
                 self._prof.__enter__()
         elif self._nvtx is None:
             torch.cuda.profiler.start()
