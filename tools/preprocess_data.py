@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import itertools
@@ -51,7 +52,6 @@ from _common import (
     ToolError,
     check_input_file,
     ensure_parent_dir,
-    load_sentencepiece,
     log,
     parse_json_line,
     positive_int,
@@ -60,7 +60,20 @@ from _common import (
     temporary_path,
 )
 
-TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer")
+# Run as a script, Python puts tools/ first on sys.path, not the repository root. The
+# tokenizer module imports neither torch nor megatron-core, so workers stay small.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(1, _REPO_ROOT)
+
+from megatron_ext.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ext.errors import UsageError  # noqa: E402
+
+# The tokenizer flags, with pretrain_gpt.py's (and Megatron-LM's) names and meanings.
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
+                   "vocab_size", "vocab_extra_ids", "tiktoken_pattern",
+                   "tiktoken_num_special_tokens", "tokenizer_special_tokens",
+                   "tiktoken_special_tokens")
 # A chunk also ends once its lines reach this many bytes, so that a file of very long
 # documents does not put hundreds of MB in one task, and the last tasks stay small
 # enough for the workers to finish together.
@@ -109,7 +122,7 @@ def encode_chunk(tokenizer, chunk: Chunk, keys: Sequence[str],
     """Parses and tokenizes every line of ``chunk``.
 
     Args:
-        tokenizer: a SentencePieceProcessor (anything with ``encode(list of str)``).
+        tokenizer: a :mod:`megatron_ext.data.tokenizer` tokenizer (``tokenize_batch``).
         chunk: the lines to process.
         keys: the json keys to tokenize, each one a separate output dataset.
         eod_id: appended to every document when not ``None`` (``--append-eod``).
@@ -131,7 +144,7 @@ def encode_chunk(tokenizer, chunk: Chunk, keys: Sequence[str],
             texts[key].append(parsed[key])
     for key in keys:
         # One batch call: the per-call overhead of the C++ side is paid once per chunk.
-        docs = tokenizer.encode(texts[key]) if texts[key] else []
+        docs = tokenizer.tokenize_batch(texts[key]) if texts[key] else []
         if eod_id is not None:
             for ids in docs:
                 ids.append(eod_id)
@@ -183,14 +196,14 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _init_worker(model_path: str, keys: Sequence[str], eod_id: Optional[int]) -> None:
+def _init_worker(tokenizer_args: dict, keys: Sequence[str], eod_id: Optional[int]) -> None:
     # The main process handles Ctrl-C and SIGTERM and then shuts the workers down; workers
     # that also reacted would each print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
-        _worker_state["tokenizer"] = load_sentencepiece(model_path)
+        _worker_state["tokenizer"] = load_tokenizer(tokenizer_args)
     except ToolError as err:
         # Raised from the first task instead: an initializer that raises only kills the
         # worker, and the main process would learn nothing about why.
@@ -204,6 +217,18 @@ def _encode_chunk_in_worker(chunk: Chunk) -> ChunkResult:
         raise _worker_state["error"]
     return encode_chunk(_worker_state["tokenizer"], chunk, _worker_state["keys"],
                         _worker_state["eod_id"])
+
+
+def load_tokenizer(tokenizer_args: dict):
+    """The tokenizer of the tokenizer flags (a dict of :data:`TOKENIZER_FLAGS`).
+
+    Raises:
+        ToolError: the flags or the tokenizer's files are wrong.
+    """
+    try:
+        return build_tokenizer(argparse.Namespace(**tokenizer_args))
+    except UsageError as err:
+        raise ToolError(str(err)) from None
 
 
 def output_prefixes(output_prefix: str, keys: Sequence[str]) -> Dict[str, str]:
@@ -350,14 +375,40 @@ def build_parser() -> ToolArgumentParser:
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
                        default="GPTSentencePieceTokenizer",
-                       help="both encode with the SentencePiece model as it is and use its "
-                            "</s> id as end-of-document. (Megatron-LM's "
-                            "SentencePieceTokenizer instead adds an <EOD> id past the "
-                            "vocabulary; that is not reproduced here.) Default: %(default)s")
-    group.add_argument("--tokenizer-model", required=True, metavar="PATH.model",
-                       help="SentencePiece model, e.g. from tools/train_tokenizer.py")
+                       help="the tokenizer, as pretrain_gpt.py's --tokenizer-type (Megatron-LM's "
+                            "classes of these names: see pretrain_gpt.py --help); the ids and "
+                            "the end-of-document id are the ones training uses. "
+                            "Default: %(default)s")
+    group.add_argument("--tokenizer-model", metavar="PATH",
+                       help="SentencePiece .model (e.g. from tools/train_tokenizer.py) for "
+                            "SentencePieceTokenizer, GPTSentencePieceTokenizer and "
+                            "Llama2Tokenizer; a local Hugging Face tokenizer directory or "
+                            "tokenizer.json for HuggingFaceTokenizer; Megatron-LM's tiktoken "
+                            "JSON vocabulary for TikTokenizer")
+    group.add_argument("--vocab-file", metavar="vocab.json",
+                       help="GPT2BPETokenizer's vocabulary")
+    group.add_argument("--merge-file", metavar="merges.txt",
+                       help="GPT2BPETokenizer's merges")
+    group.add_argument("--vocab-size", type=positive_int, metavar="N",
+                       help="NullTokenizer's vocabulary; TikTokenizer's whole vocabulary, "
+                            "special tokens included (default 131072)")
+    group.add_argument("--vocab-extra-ids", type=int, default=0, metavar="N",
+                       help="SentencePieceTokenizer: add N <extra_id_i> special tokens "
+                            "(default: %(default)s)")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"),
+                       help="TikTokenizer's pre-tokenization pattern (Megatron-LM's v1 or v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=positive_int, default=1000,
+                       metavar="N", help="TikTokenizer: ids 0..N-1 are special tokens "
+                                         "(default: %(default)s)")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", metavar="TOKEN",
+                       help="TikTokenizer's special tokens in id order; must include "
+                            "<unk> <s> </s> (the default is those three)")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", metavar="TOKEN",
+                       help="Megatron-LM's older spelling of --tokenizer-special-tokens")
     group.add_argument("--append-eod", action="store_true",
-                       help="append the end-of-document id (</s>) to every document")
+                       help="append the tokenizer's end-of-document id to every document "
+                            "(</s> for the SentencePiece models, <EOD> for "
+                            "SentencePieceTokenizer, <|endoftext|> for GPT2BPETokenizer)")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, metavar="PREFIX",
                        help="writes PREFIX_{KEY}_document.bin/.idx; the directory is created "
@@ -401,22 +452,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ToolError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
     paths = expand_inputs(args.input)
-    tokenizer = load_sentencepiece(args.tokenizer_model)
+    tokenizer_args = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
+    tokenizer = load_tokenizer(tokenizer_args)
     eod_id = None
     if args.append_eod:
-        eod_id = tokenizer.eos_id()
-        if eod_id < 0:
-            raise ToolError(f"--append-eod: --tokenizer-model {args.tokenizer_model} has no "
-                            "</s> piece; train it with tools/train_tokenizer.py")
+        eod_id = tokenizer.eod
+        if eod_id is None:
+            raise ToolError(f"--append-eod: the {args.tokenizer_type} of --tokenizer-model "
+                            f"{args.tokenizer_model} has no end-of-document (eos) token")
     if args.output_prefix.endswith(os.sep) or os.path.isdir(args.output_prefix):
         raise ToolError(f"--output-prefix {args.output_prefix} is a directory; give a path "
                         "prefix such as data/corpus")
     prefixes = output_prefixes(args.output_prefix, args.json_keys)
     ensure_parent_dir(args.output_prefix)
     log(f"tokenizing {len(paths)} file(s) with {args.workers} worker(s); vocab "
-        f"{tokenizer.vocab_size()}, EOD {'id ' + str(eod_id) if eod_id is not None else 'off'}")
+        f"{tokenizer.vocab_size}, EOD {'id ' + str(eod_id) if eod_id is not None else 'off'}")
 
-    writer = DatasetWriter(prefixes, tokenizer.vocab_size())
+    writer = DatasetWriter(prefixes, tokenizer.vocab_size)
     progress = Progress(args.log_interval)
     malformed = 0
     empty = {key: 0 for key in args.json_keys}
@@ -436,9 +488,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # stays bounded (imap buffers every finished result), and a worker that dies (e.g.
     # killed for lack of memory) raises BrokenProcessPool where imap would wait forever.
     # The workers start before megatron-core (and torch) is imported here, so each is a
-    # small process with only numpy and sentencepiece.
+    # small process with only numpy and the tokenizer's library.
     executor = ProcessPoolExecutor(max_workers=args.workers, initializer=_init_worker,
-                                   initargs=(args.tokenizer_model, args.json_keys, eod_id))
+                                   initargs=(tokenizer_args, args.json_keys, eod_id))
     pending: Deque[Future] = collections.deque()
     steady_ahead = CHUNKS_AHEAD_PER_WORKER * args.workers
     committed = False

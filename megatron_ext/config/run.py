@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from megatron_ext.config.sections import (
     CheckpointConfig,
@@ -15,6 +14,7 @@ from megatron_ext.config.sections import (
     RuntimeConfig,
     TrainingConfig,
 )
+from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.zenflow.config import ZenFlowConfig
@@ -45,16 +45,7 @@ class RunConfig:
             raise UsageError("--mock-data and --data-path are exclusive; give one of them")
         if not data.mock_data and not data.data_path:
             raise UsageError("no training data: give --data-path PREFIX (or --mock-data)")
-        if data.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-            if not data.tokenizer_model:
-                raise UsageError(f"--tokenizer-type {data.tokenizer_type} needs --tokenizer-model")
-            if not os.path.isfile(data.tokenizer_model):
-                raise UsageError(
-                    f"--tokenizer-model {data.tokenizer_model}: file not found; train one with "
-                    "tools/train_tokenizer.py"
-                )
-        elif data.tokenizer_model:
-            raise UsageError("--tokenizer-model needs --tokenizer-type SentencePieceTokenizer")
+        check_tokenizer_flags(data)
         if data.tokenizer_type in (None, "NullTokenizer") and data.vocab_size is None:
             raise UsageError(
                 "no vocabulary: give --tokenizer-type SentencePieceTokenizer --tokenizer-model "
@@ -149,6 +140,7 @@ class RunConfig:
                 f"--num-layers {model.num_layers} is not divisible by "
                 f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}"
             )
+        vpp = self.virtual_pipeline_size()
         train = self.training
         per_step = train.micro_batch_size * dp
         if train.global_batch_size is None:
@@ -158,7 +150,51 @@ class RunConfig:
                 f"--global-batch-size {train.global_batch_size} is not divisible by "
                 f"--micro-batch-size {train.micro_batch_size} x data-parallel size {dp}"
             )
+        pp = par.pipeline_model_parallel_size
+        micro_batches = train.global_batch_size // per_step
+        if vpp is not None and micro_batches % pp:
+            raise UsageError(
+                f"the interleaved schedule needs a number of micro-batches that is a multiple of "
+                f"--pipeline-model-parallel-size {pp}; --global-batch-size "
+                f"{train.global_batch_size} / (--micro-batch-size {train.micro_batch_size} x "
+                f"data-parallel size {dp}) gives {micro_batches}")
         return dp
+
+    def virtual_pipeline_size(self):
+        """Model chunks per pipeline rank with the interleaved schedule; None without it.
+
+        Megatron-LM's rules: from --num-layers-per-virtual-pipeline-stage (the layers of a
+        pipeline stage must divide into chunks of that many) or
+        --num-virtual-stages-per-pipeline-rank; one chunk is no interleaving.
+        """
+        par, layers = self.parallel, self.model.num_layers
+        pp = par.pipeline_model_parallel_size
+        per_chunk = par.num_layers_per_virtual_pipeline_stage
+        vpp = par.num_virtual_stages_per_pipeline_rank
+        if per_chunk is None and vpp is None:
+            return None
+        if layers % pp:
+            raise UsageError(f"--num-layers {layers} is not divisible by "
+                             f"--pipeline-model-parallel-size {pp}")
+        if per_chunk is not None:
+            if (layers // pp) % per_chunk:
+                raise UsageError(
+                    f"the {layers // pp} layers per pipeline stage (--num-layers {layers} / "
+                    f"--pipeline-model-parallel-size {pp}) are not divisible by "
+                    f"--num-layers-per-virtual-pipeline-stage {per_chunk}")
+            vpp = layers // pp // per_chunk
+        elif (layers // pp) % vpp:
+            raise UsageError(f"the {layers // pp} layers per pipeline stage are not divisible "
+                             f"by --num-virtual-stages-per-pipeline-rank {vpp}")
+        if vpp == 1:
+            return None
+        if pp == 1:
+            raise UsageError("the interleaved schedule (virtual pipeline stages) needs "
+                             "--pipeline-model-parallel-size >= 2")
+        if not par.overlap_p2p_comm and pp <= 2:
+            raise UsageError("--no-overlap-p2p-communication with the interleaved schedule "
+                             "needs --pipeline-model-parallel-size > 2 (Megatron-LM's rule)")
+        return vpp
 
     def to_dict(self) -> dict:
         """The config as plain nested dicts (for logging and checkpoints)."""

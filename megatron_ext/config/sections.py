@@ -211,10 +211,23 @@ class ParallelConfig:
     """Elements per gradient-reduce bucket (default: megatron-core's choice)."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved 1F1B: each pipeline rank holds several model chunks (virtual stages)
+    of this many layers, and megatron-core's interleaved schedule runs them (needs
+    --pipeline-model-parallel-size >= 2, and a number of micro-batches that is a multiple
+    of it)."""
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    """Interleaved 1F1B, given as the number of model chunks (virtual stages) per
+    pipeline rank instead of --num-layers-per-virtual-pipeline-stage."""
+    overlap_p2p_comm: bool = option(True, negate="--no-overlap-p2p-communication")
+    """With the interleaved schedule, do not overlap the pipeline's send/receive with the
+    chunks' compute (batched p2p instead; Megatron-LM then needs
+    --pipeline-model-parallel-size > 2)."""
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "ddp_bucket_size", "distributed_timeout_minutes", "context_parallel_size")
+                  "ddp_bucket_size", "distributed_timeout_minutes", "context_parallel_size",
+                  "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
         if self.context_parallel_size != 1:
             raise UsageError(f"--context-parallel-size {self.context_parallel_size}: context "
                              "parallelism is not supported (it needs Transformer Engine's "
@@ -222,6 +235,11 @@ class ParallelConfig:
         if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
             raise UsageError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
                              "are exclusive; choose one")
+        if (self.num_layers_per_virtual_pipeline_stage is not None
+                and self.num_virtual_stages_per_pipeline_rank is not None):
+            raise UsageError("--num-layers-per-virtual-pipeline-stage and "
+                             "--num-virtual-stages-per-pipeline-rank both set the interleaved "
+                             "schedule's chunks; give one of them")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise UsageError("--overlap-param-gather needs --use-distributed-optimizer")
 
@@ -414,13 +432,42 @@ class DataConfig:
     """Train on megatron-core's synthetic MockGPTDataset instead of --data-path (smoke runs;
     the vocabulary comes from --vocab-size or the tokenizer)."""
     tokenizer_type: Optional[str] = option(
-        None, choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"))
-    """Tokenizer: a SentencePiece model (--tokenizer-model; both names load it the same
-    way, EOD is its end-of-sentence id), or NullTokenizer (ids as they are, --vocab-size)."""
+        None, choices=("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                       "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                       "NullTokenizer"))
+    """Tokenizer, as Megatron-LM's class of that name: GPT2BPETokenizer (--vocab-file,
+    --merge-file; EOD <|endoftext|>), SentencePieceTokenizer (--tokenizer-model plus
+    Megatron-LM's special tokens <CLS> <SEP> <EOD> <MASK> past its pieces; EOD <EOD>),
+    GPTSentencePieceTokenizer (the model as it is; EOD </s>), Llama2Tokenizer (<s> before
+    every text; EOD </s>), HuggingFaceTokenizer (--tokenizer-model a local directory or
+    tokenizer.json; EOD its eos token), TikTokenizer (--tokenizer-model a tiktoken JSON
+    vocabulary, --tiktoken-pattern; EOD </s>), or NullTokenizer (ids as they are,
+    --vocab-size)."""
     tokenizer_model: Optional[str] = None
-    """Path of the SentencePiece .model file."""
+    """The tokenizer's file: a SentencePiece .model (SentencePieceTokenizer,
+    GPTSentencePieceTokenizer, Llama2Tokenizer), a Hugging Face tokenizer directory or
+    tokenizer.json (HuggingFaceTokenizer; local files only), or Megatron-LM's tiktoken
+    JSON vocabulary (TikTokenizer)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer and --mock-data without a tokenizer."""
+    """Vocabulary size for NullTokenizer and --mock-data without a tokenizer; with
+    TikTokenizer the whole vocabulary, special tokens included (default 131072)."""
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer's vocabulary (GPT-2's vocab.json)."""
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer's BPE merges (GPT-2's merges.txt)."""
+    vocab_extra_ids: int = 0
+    """SentencePieceTokenizer: add this many <extra_id_N> special tokens (T5 sentinels)."""
+    tiktoken_pattern: Optional[str] = option(None, choices=("v1", "v2"))
+    """TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 pattern."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids 0..N-1 are special tokens (the given ones, then <SPECIAL_i>
+    fillers); the vocabulary file's tokens follow."""
+    tokenizer_special_tokens: Optional[List[str]] = option(None, nargs="+", metavar="TOKEN")
+    """TikTokenizer's special tokens, in id order; must include <unk> <s> </s> (the
+    default is just those three)."""
+    tiktoken_special_tokens: Optional[List[str]] = option(None, nargs="+", metavar="TOKEN")
+    """Megatron-LM's older spelling of --tokenizer-special-tokens (used when that is not
+    given)."""
     eod_mask_loss: bool = False
     """Do not compute the loss on end-of-document tokens."""
     num_workers: int = 2
@@ -437,7 +484,9 @@ class DataConfig:
     choice, a folder PREFIX/cache beside each data prefix)."""
 
     def __post_init__(self):
-        _positive(self, "vocab_size")
+        _positive(self, "vocab_size", "tiktoken_num_special_tokens")
+        if self.vocab_extra_ids < 0:
+            raise UsageError("--vocab-extra-ids must be >= 0")
         if self.num_workers < 0:
             raise UsageError("--num-workers must be >= 0")
 
@@ -528,21 +577,62 @@ class LoggingConfig:
     timing_log_level: int = option(0, choices=(0, 1, 2))
     """Detail of the timers: 0 the iteration breakdown, 1 and 2 finer timers."""
     profile: bool = False
-    """Profile iterations --profile-step-start to --profile-step-end with torch.profiler
-    (CPU and CUDA): a table of the operators and labelled ranges by time, and a Chrome
-    trace, in --profile-dir."""
+    """Profile iterations --profile-step-start+1 to --profile-step-end on --profile-ranks,
+    as Megatron-LM: by itself, an nsys capture range (cudaProfilerStart/Stop and NVTX
+    ranges around those steps; run under 'nsys profile --capture-range=cudaProfilerApi
+    --capture-range-end=stop'; needs CUDA); with --use-pytorch-profiler, torch.profiler
+    (CPU and CUDA)."""
+    use_pytorch_profiler: bool = False
+    """With --profile: torch.profiler instead of an nsys range. Writes a table of the
+    operators and labelled ranges by time and a Chrome trace to --profile-dir
+    (rankN-iterA-B.txt/.json), and, as Megatron-LM, the trace to --tensorboard-dir for
+    TensorBoard's profiler plugin when that is given."""
     profile_step_start: int = 10
-    """First profiled iteration (1-based)."""
+    """Profiling starts after this many iterations (the first profiled one is the next)."""
     profile_step_end: int = 12
-    """Last profiled iteration."""
+    """Last profiled iteration (1-based)."""
     profile_ranks: List[int] = option(default_factory=lambda: [0], nargs="+", metavar="RANK")
     """Global ranks that profile."""
     profile_dir: str = "profile"
-    """Directory of the profiler's files (rankN-iterA-B.txt and .json)."""
+    """Directory of --use-pytorch-profiler's files (rankN-iterA-B.txt and .json)."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard event files to this directory (the last rank writes, as in
+    Megatron-LM), with Megatron-LM's tag names ('lm loss', 'learning-rate', 'batch-size',
+    'grad-norm', 'loss-scale', 'lm loss validation', ... and their 'vs samples' twins)."""
+    tensorboard_log_interval: int = 1
+    """Write the training scalars to TensorBoard every this many iterations."""
+    tensorboard_queue_size: int = 1000
+    """Events TensorBoard's writer queues before it flushes to disk."""
+    log_timers_to_tensorboard: bool = False
+    """Write 'iteration-time' and the timers of --timing-log-level (1: forward-backward,
+    all-grads-sync, optimizer; 2: also forward-compute, backward-compute) as '<name>-time',
+    in seconds per iteration, every --log-interval iterations."""
+    log_loss_scale_to_tensorboard: bool = option(True,
+                                                 negate="--no-log-loss-scale-to-tensorboard")
+    """Do not write 'loss-scale' to TensorBoard (written by default, as in Megatron-LM)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write 'lm loss validation ppl' (the validation perplexity) to TensorBoard."""
+    log_memory_to_tensorboard: bool = False
+    """Write CUDA memory statistics (mem-reserved-bytes, mem-allocated-bytes,
+    mem-max-allocated-bytes, mem-allocated-count) to TensorBoard; needs a GPU."""
+    log_world_size_to_tensorboard: bool = False
+    """Write 'world-size' to TensorBoard."""
 
     def __post_init__(self):
-        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_end:
-            raise UsageError("--profile needs 1 <= --profile-step-start <= --profile-step-end")
+        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
+            raise UsageError("--profile needs 0 <= --profile-step-start < --profile-step-end "
+                             "(it profiles iterations start+1 to end)")
+        if self.use_pytorch_profiler and not self.profile:
+            raise UsageError("--use-pytorch-profiler chooses how --profile profiles; add "
+                             "--profile")
+        _positive(self, "tensorboard_log_interval", "tensorboard_queue_size")
+        tb_only = [name for name in ("log_timers_to_tensorboard",
+                                     "log_validation_ppl_to_tensorboard",
+                                     "log_memory_to_tensorboard", "log_world_size_to_tensorboard")
+                   if getattr(self, name)]
+        if tb_only and not self.tensorboard_dir:
+            raise UsageError(f"--{tb_only[0].replace('_', '-')} writes to TensorBoard: add "
+                             "--tensorboard-dir DIR")
 
 
 @dataclasses.dataclass

@@ -85,6 +85,11 @@ def transformer_config(cfg, runtime):
 
     m, par = cfg.model, cfg.parallel
     dtype = _dtype(cfg)
+    vpp = cfg.virtual_pipeline_size()
+    # Interleaved schedule: Megatron-LM overlaps the p2p with compute unless told not to
+    # (then batched p2p); without interleaving megatron-core's defaults stay.
+    p2p = ({"overlap_p2p_comm": par.overlap_p2p_comm, "batch_p2p_comm": not par.overlap_p2p_comm}
+           if vpp else {})
     on_gpu = not runtime.is_cpu
     add_bias = not m.disable_bias_linear
     activation_fusion = on_gpu and (m.swiglu or add_bias)
@@ -122,6 +127,8 @@ def transformer_config(cfg, runtime):
         autocast_dtype=dtype,
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        **p2p,
         use_cpu_initialization=runtime.is_cpu,
         perform_initialization=True,
         recompute_granularity=m.recompute_granularity,
@@ -132,7 +139,10 @@ def transformer_config(cfg, runtime):
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        deallocate_pipeline_outputs=True,
+        # Frees a stage's output once sent. Not with the interleaved schedule on the CPU:
+        # its sends are overlapped (gloo's isend still reads the tensor after the schedule
+        # moved on), and freeing the storage under it sent garbage (NaN losses).
+        deallocate_pipeline_outputs=on_gpu or not vpp,
         # False: the schedule divides each micro-batch's token-summed loss by its tokens and
         # the micro-batch count (Megatron-LM's default); True: by the global batch's tokens.
         calculate_per_token_loss=cfg.training.calculate_per_token_loss,
@@ -178,8 +188,11 @@ def _layer_spec(cfg, config):
     return spec
 
 
-def build_gpt_model(cfg, runtime, vocab_size: int):
-    """Builds this rank's bare GPTModel stage (no wrappers) on the run's device.
+def build_gpt_model(cfg, runtime, vocab_size: int, vp_stage=None, config=None):
+    """Builds one bare GPTModel chunk of this rank (no wrappers) on the run's device.
+
+    ``vp_stage``: the virtual pipeline stage of the chunk with the interleaved schedule
+    (None without it). ``config``: the TransformerConfig to use (built when None).
 
     Returns:
         (GPTModel, TransformerConfig)
@@ -188,22 +201,26 @@ def build_gpt_model(cfg, runtime, vocab_size: int):
     from megatron.core.models.gpt import GPTModel
 
     m, par = cfg.model, cfg.parallel
-    for note in resolve_layers(m, transformer_engine_available())[2]:
-        log.info(note)
-    if par.sequence_parallel and par.tensor_model_parallel_size == 1:
-        log.info("--sequence-parallel: off, tensor-parallel size is 1 (as Megatron-LM)")
-    config = transformer_config(cfg, runtime)
+    if config is None:
+        for note in resolve_layers(m, transformer_engine_available())[2]:
+            log.info(note)
+        if par.sequence_parallel and par.tensor_model_parallel_size == 1:
+            log.info("--sequence-parallel: off, tensor-parallel size is 1 (as Megatron-LM)")
+        config = transformer_config(cfg, runtime)
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(cfg, config),
         vocab_size=vocab_size,
         max_sequence_length=m.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent,
+        vp_stage=vp_stage,
     )
     if not runtime.is_cpu:
         model.cuda(torch.cuda.current_device())
@@ -211,7 +228,12 @@ def build_gpt_model(cfg, runtime, vocab_size: int):
 
 
 def build_model(cfg, runtime, vocab_size: int):
-    """Builds this rank's GPTModel stage, wrapped in Float16Module (bf16/fp16) and DDP.
+    """Builds this rank's GPTModel chunks, each wrapped in Float16Module (bf16/fp16) and DDP.
+
+    One chunk, or with the interleaved schedule (--num-layers-per-virtual-pipeline-stage)
+    one per virtual stage: chunk i holds the layers of virtual stage i of this pipeline
+    rank (megatron-core places them), the first stage's first chunk the embedding and the
+    last stage's last chunk the output layer.
 
     Returns:
         (list of DDP-wrapped model chunks, TransformerConfig)
@@ -219,10 +241,8 @@ def build_model(cfg, runtime, vocab_size: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    model, config = build_gpt_model(cfg, runtime, vocab_size)
-    if config.bf16 or config.fp16:
-        model = Float16Module(config, model)
     par = cfg.parallel
+    vpp = cfg.virtual_pipeline_size()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grads_in_fp32(cfg),
         overlap_grad_reduce=par.overlap_grad_reduce,
@@ -230,10 +250,21 @@ def build_model(cfg, runtime, vocab_size: int):
         use_distributed_optimizer=par.use_distributed_optimizer,
         bucket_size=par.ddp_bucket_size,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    # Same initial weights on every data-parallel rank.
-    ddp.broadcast_params()
-    return [ddp], config
+    chunks = []
+    config = None
+    for stage in range(vpp or 1):
+        model, config = build_gpt_model(cfg, runtime, vocab_size,
+                                        vp_stage=stage if vpp else None, config=config)
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        # As Megatron-LM: only the first chunk's gradients are bucketed (the others' are
+        # one bucket each, reduced when their last backward is done).
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                      disable_bucketing=stage > 0)
+        # Same initial weights on every data-parallel rank.
+        ddp.broadcast_params()
+        chunks.append(ddp)
+    return chunks, config
 
 
 def grads_in_fp32(cfg) -> bool:

@@ -116,6 +116,7 @@ def initialize(cfg) -> Runtime:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size(),
     )
     runtime = Runtime(
         rank=rank,

@@ -122,9 +122,18 @@ def _unwrap(module):
     return module
 
 
+def _model_keys(model_chunks) -> list:
+    """Megatron-LM's keys of the model chunks: ``model``, or ``model0``, ``model1``, ... ."""
+    if len(model_chunks) == 1:
+        return ["model"]
+    return [f"model{i}" for i in range(len(model_chunks))]
+
+
 def _sharded_state(model_chunks, optimizer, is_loading: bool, with_optimizer: bool) -> dict:
-    model_sd = _unwrap(model_chunks[0]).sharded_state_dict()
-    state = {"model": model_sd}
+    state = {key: _unwrap(chunk).sharded_state_dict()
+             for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+    # The optimizer finds each parameter's sharded tensor among all the chunks'.
+    model_sd = state["model"] if len(model_chunks) == 1 else dict(state)
     if with_optimizer:
         if is_loading:
             _materialize_optimizer_states(optimizer)
@@ -421,7 +430,8 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
         raise UsageError(f"--load {path}: the checkpoint does not fit this model ({text}); "
                          "give the checkpoint's model settings, or --use-checkpoint-args"
                          ) from None
-    _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        _unwrap(chunk).load_state_dict(loaded[key])
     train_state = TrainState(**loaded["train_state"])
     if with_optimizer:
         # fp32 masters can be views of the model's leaf parameters: copy without autograd.

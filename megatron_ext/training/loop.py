@@ -34,6 +34,7 @@ from megatron_ext.training.metrics import (
 from megatron_ext.training.optimizer import close_optimizer, optimizer_metrics
 from megatron_ext.training.profiling import Profiler
 from megatron_ext.training.signals import ExitSignalHandler
+from megatron_ext.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("megatron_ext")
 
@@ -227,9 +228,12 @@ class Trainer:
         self.num_microbatches = cfg.training.global_batch_size // (
             cfg.training.micro_batch_size * rt.dp)
         self.writer = MetricsWriter(cfg, enabled=rt.rank == 0)
-        log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d), %.2fM parameters, vocab %d "
+        self.tensorboard = TensorBoardWriter(cfg, rt.rank, rt.world_size, rt.is_cpu)
+        log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d%s), %.2fM parameters, vocab %d "
                  "(padded from %d), %d micro-batches per iteration",
-                 rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp, self.num_params / 1e6,
+                 rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp,
+                 f", interleaved: {len(self.model)} model chunks per pipeline rank"
+                 if len(self.model) > 1 else "", self.num_params / 1e6,
                  self.vocab_size, tokenizer.vocab_size, self.num_microbatches)
 
     def _wire_megatron_hooks(self, finalize_model_grads) -> None:
@@ -238,11 +242,17 @@ class Trainer:
         config.grad_scale_func = self.optimizer.scale_loss
         config.timers = self.timers
         config.finalize_model_grads_func = finalize_model_grads
+        # One function per model chunk with the interleaved schedule (Megatron-LM's wiring).
+        one = len(self.model) == 1
         if par.overlap_grad_reduce:
-            config.no_sync_func = self.model[0].no_sync
-            config.grad_sync_func = self.model[0].start_grad_sync
+            no_sync = [chunk.no_sync for chunk in self.model]
+            config.no_sync_func = no_sync[0] if one else no_sync
+            config.grad_sync_func = [chunk.start_grad_sync for chunk in self.model]
+            if one:
+                config.grad_sync_func = config.grad_sync_func[0]
         if par.overlap_param_gather:
-            config.param_sync_func = self.model[0].start_param_sync
+            param_sync = [chunk.start_param_sync for chunk in self.model]
+            config.param_sync_func = param_sync[0] if one else param_sync
 
     @contextlib.contextmanager
     def _params_gathered(self):
@@ -267,13 +277,27 @@ class Trainer:
         else:
             torch.cuda.synchronize()
 
-    def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False):
+    def _data_iterator(self, make_loader):
+        """The schedule's data iterator: one, or one per model chunk (interleaved schedule).
+
+        Every chunk's forward step reads its own micro-batch (its stage's tokens and labels),
+        so with several chunks each gets its own loader over the same samples, as in
+        Megatron-LM.
+        """
+        if len(self.model) == 1:
+            return iter(make_loader())
+        return [iter(make_loader()) for _ in self.model]
+
+    def train_step(self, data_iterator, interval_loss: torch.Tensor, logs: bool = False,
+                   step_loss: bool = False):
         """One iteration: forward/backward over the micro-batches, then the optimizer.
 
         Adds the iteration's (loss, tokens) into ``interval_loss``. With ``logs`` (the
         iteration is logged) returns what the log reads from the GPU, on its way to the
         host before the optimizer step (see :class:`ToHost`): the global (loss, tokens)
-        sum and the loss scale this iteration's backward ran with; else None.
+        sum and the loss scale this iteration's backward ran with; else None. With
+        ``step_loss`` (TensorBoard writes this iteration) the same, plus this iteration's
+        own global (loss, tokens) sum as ``step_loss``.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -295,12 +319,16 @@ class Trainer:
         t_fb = watch.lap()
         if cfg.training.empty_unused_memory_level >= 1:
             _empty_cache(self.runtime)
-        interval_loss += _sum_reports(losses, self.runtime.device)
+        step_sum = _sum_reports(losses, self.runtime.device)
+        interval_loss += step_sum
         reads = None
-        if logs:
+        if logs or step_loss:
             scale = self.optimizer.get_loss_scale()
-            reads = {"loss": _global_sum(interval_loss),
-                     "loss_scale": ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
+            reads = {"loss_scale": ToHost(scale.detach()) if torch.is_tensor(scale) else scale}
+            if logs:
+                reads["loss"] = _global_sum(interval_loss)
+            if step_loss:
+                reads["step_loss"] = _global_sum(step_sum)
         ok, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         self._synchronize()
         t_opt = watch.lap()
@@ -318,7 +346,7 @@ class Trainer:
         loader = build_loader(self.valid_ds, 0, cfg, self.runtime)
         if loader is None or len(loader) < cfg.training.eval_iters * self.num_microbatches:
             return float("nan")
-        it = iter(loader)
+        it = self._data_iterator(lambda: build_loader(self.valid_ds, 0, cfg, self.runtime))
         total = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         for chunk in self.model:
             chunk.eval()
@@ -387,6 +415,18 @@ class Trainer:
             print(format_line(record, cfg.training.train_iters, cfg.logging.log_throughput),
                   flush=True)
         self.writer.write(record)
+        self.tensorboard.timers(record)
+
+    def _log_tensorboard(self, reads: dict, grad_norm) -> None:
+        """Writes the iteration's scalars to TensorBoard (Megatron-LM's tags)."""
+        scale = reads["loss_scale"]
+        self.tensorboard.train(self.state.iteration, self.state.consumed_train_samples, {
+            "lm_loss": _mean(reads["step_loss"]),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "global_batch_size": self.cfg.training.global_batch_size,
+            "loss_scale": maybe_float(scale.get() if isinstance(scale, ToHost) else scale),
+            "grad_norm": maybe_float(grad_norm),
+        })
 
     def train(self) -> int:
         """Runs the loop to --train-iters (or an exit condition); returns the exit status."""
@@ -409,14 +449,14 @@ class Trainer:
             # the model as it is.
             log.info("no training: iteration %d, --train-iters %d", self.state.iteration,
                      train.train_iters)
-        loader = build_loader(self.train_ds, self.state.consumed_train_samples, cfg, rt)
-        data_iterator = iter(loader) if loader is not None else None
+        consumed = self.state.consumed_train_samples
+        data_iterator = self._data_iterator(lambda: build_loader(self.train_ds, consumed, cfg, rt))
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
         iters = skipped = 0
         t_fb = t_opt = 0.0
         window = Stopwatch()
-        profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu)
+        profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu, cfg.logging.tensorboard_dir)
         self.eta = EtaClock(train.train_iters)
         log.info("start-up: done; training from iteration %d (the first iterations include "
                  "warm-up)", self.state.iteration + 1)
@@ -425,7 +465,9 @@ class Trainer:
                 it = self.state.iteration + 1
                 profiler.before(it)
                 logs = it % train.log_interval == 0 or it == train.train_iters
-                reads, ok, grad_norm, fb, opt = self.train_step(data_iterator, interval_loss, logs)
+                tb = self.tensorboard.wants(it)
+                reads, ok, grad_norm, fb, opt = self.train_step(data_iterator, interval_loss, logs,
+                                                                step_loss=tb)
                 self.state.iteration = it
                 profiler.after(self.state.iteration)
                 self.state.consumed_train_samples += train.global_batch_size
@@ -434,6 +476,8 @@ class Trainer:
                 else:
                     self.state.skipped_iterations += 1
                     skipped += 1
+                if tb:
+                    self._log_tensorboard(reads, grad_norm)
                 iters += 1
                 t_fb += fb
                 t_opt += opt
@@ -496,11 +540,14 @@ class Trainer:
                   f"{loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
         self.writer.write({"iteration": self.state.iteration, "eval/lm_loss": loss,
                            "eval/lm_ppl": ppl})
+        self.tensorboard.validation(self.state.iteration, self.state.consumed_train_samples,
+                                    loss, ppl)
 
     def close(self) -> None:
         """Closes the metrics writers and the optimizer's threads and files."""
         close_optimizer(self.optimizer)
         self.writer.close()
+        self.tensorboard.close()
 
 
 def pretrain(cfg) -> int:

@@ -124,7 +124,7 @@ CASES = {
         "checksum"),
     "profile range backwards": (lambda d: MOCK + ["--profile", "--profile-step-start", "5",
                                                   "--profile-step-end", "3"],
-                                "--profile needs 1 <= --profile-step-start <= --profile-step-end"),
+                                "--profile needs 0 <= --profile-step-start < --profile-step-end"),
     "zenflow without distributed optimizer": (lambda d: MOCK + ["--zenflow"],
                                               "add --use-distributed-optimizer"),
     "zenflow ratio out of range": (lambda d: MOCK + ZENFLOW + ["--zenflow-topk-ratio", "0"],

@@ -114,7 +114,8 @@ def test_synchronous_steps_equal_plain_adam(tmp_path, baseline, precision):
 def test_async_windows_train_and_report(tmp_path, baseline):
     # --profile rides along (the same run): iterations 11-12 hold a window end (12).
     prof = tmp_path / "prof"
-    out = run_zenflow(tmp_path, [*ASYNC, *BF16, "--profile", "--profile-step-start", "11",
+    out = run_zenflow(tmp_path, [*ASYNC, *BF16, "--profile", "--use-pytorch-profiler",
+                                 "--profile-step-start", "10",
                                  "--profile-step-end", "12", "--profile-dir", str(prof)])
     records = [r for r in read_metrics(out) if "lm_loss" in r]
     losses = losses_of(records)

@@ -30,6 +30,8 @@ from preprocess_data import (
 )
 from tools_testlib import REPO_ROOT, assert_ok, assert_usage_error, run_tool, tool_command
 
+from megatron_ext.data.tokenizer import GPTSentencePieceTokenizer
+
 EOD = 2  # </s> of the models tools/train_tokenizer.py writes
 
 
@@ -159,13 +161,14 @@ def test_output_does_not_depend_on_workers(preprocessed):
 def test_encode_chunk_reports_lines_and_drops_empty_documents(tiny_tokenizer):
     sp = sentencepiece.SentencePieceProcessor(model_file=tiny_tokenizer)
     lines = [b'{"text": "a b"}\n', b'{"text": ""}\n', b'not json\n', b'{"text": "c"}']
-    result = encode_chunk(sp, Chunk(0, 11, lines), ["text"], eod_id=None)
+    tokenizer = GPTSentencePieceTokenizer(tiny_tokenizer)
+    result = encode_chunk(tokenizer, Chunk(0, 11, lines), ["text"], eod_id=None)
     assert result.errors == [(13, "invalid JSON (Expecting value: line 1 column 1 (char 0))")]
     assert result.empty_documents == {"text": 1}
     assert result.lengths["text"].tolist() == [len(sp.encode("a b")), len(sp.encode("c"))]
     assert result.tokens["text"].tolist() == sp.encode("a b") + sp.encode("c")
     assert result.num_lines == 4 and result.num_bytes == sum(map(len, lines))
-    with_eod = encode_chunk(sp, Chunk(0, 11, lines), ["text"], eod_id=EOD)
+    with_eod = encode_chunk(tokenizer, Chunk(0, 11, lines), ["text"], eod_id=EOD)
     assert with_eod.empty_documents == {"text": 0}
     assert with_eod.lengths["text"].tolist() == [len(sp.encode("a b")) + 1, 1,
                                                  len(sp.encode("c")) + 1]
