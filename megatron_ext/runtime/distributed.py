@@ -55,18 +55,7 @@ def read_process_env() -> tuple:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if world == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     return rank, world, local
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def initialize(cfg) -> Runtime:
@@ -97,10 +86,17 @@ def initialize(cfg) -> Runtime:
         device = torch.device("cuda", local)
         backend = "nccl"
     if not torch.distributed.is_initialized():
+        # A single process without a rendezvous address of its own needs no TCP store: an
+        # in-process one takes no port (a free port picked and then bound could be taken by
+        # another process in between: EADDRINUSE when several runs start at once).
+        store = (torch.distributed.HashStore() if world == 1
+                 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
+                 else None)
         torch.distributed.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world,
+            store=store,
             timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
     host_group = None
