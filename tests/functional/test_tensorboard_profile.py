@@ -20,6 +20,11 @@ from mext_testing import TINY, read_metrics, run_pretrain
 
 BASE = [*TINY, "--train-iters", "3", "--log-interval", "1", "--lr-decay-style", "linear"]
 
+# The flags Megatron-LM requires (model shape, batch, lr, length) for in-process parses.
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "4",
+         "--lr", "1e-2", "--train-iters", "4"]
+
 
 def _scalars(directory):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -81,7 +86,7 @@ def test_nsys_range_brackets_the_profiled_steps(monkeypatch):
             calls.append("nvtx off")
 
     monkeypatch.setattr(profiling.torch.autograd.profiler, "emit_nvtx", Nvtx)
-    cfg = parse_config(["--mock-data", "--vocab-size", "100", "--profile",
+    cfg = parse_config([*SHAPE, "--mock-data", "--vocab-size", "100", "--profile",
                         "--profile-step-start", "2", "--profile-step-end", "4"]).logging
     with profiling.Profiler(cfg, rank=0, is_cpu=False) as prof:
         for it in range(1, 7):
@@ -98,10 +103,10 @@ def test_nsys_range_brackets_the_profiled_steps(monkeypatch):
 
 
 def test_nsys_profile_without_cuda_is_refused():
-    cfg = parse_config(["--mock-data", "--vocab-size", "100", "--profile"]).logging
+    cfg = parse_config([*SHAPE, "--mock-data", "--vocab-size", "100", "--profile"]).logging
     with pytest.raises(UsageError, match="add --use-pytorch-profiler"):
         profiling.Profiler(cfg, rank=0, is_cpu=True)
     with pytest.raises(UsageError, match="add --profile"):
-        parse_config(["--mock-data", "--vocab-size", "100", "--use-pytorch-profiler"])
+        parse_config([*SHAPE, "--mock-data", "--vocab-size", "100", "--use-pytorch-profiler"])
     with pytest.raises(UsageError, match="add --tensorboard-dir"):
-        parse_config(["--mock-data", "--vocab-size", "100", "--log-timers-to-tensorboard"])
+        parse_config([*SHAPE, "--mock-data", "--vocab-size", "100", "--log-timers-to-tensorboard"])
