@@ -69,7 +69,9 @@ FEATURE_PREFIXES = ("offload/", "zenflow/")
 _SUFFIX_KINDS = (("_per_s", "rate"), ("_gbps", "bandwidth"), ("_gib", "memory"),
                  ("_bytes", "bytes"),
                  ("_bg_s", "background"), ("_s", "time"), ("_rate", "ratio"),
-                 ("_ratio", "ratio"), ("_fraction", "ratio"))
+                 ("_ratio", "ratio"), ("_fraction", "ratio"),
+                 # Counts (of subgroups, copies) are values even when they are 0 or 1.
+                 ("_n", "values"), ("_subgroups", "values"), ("_copies", "values"))
 _KIND_ORDER = ("time", "background", "ratio", "bandwidth", "memory", "rate", "bytes",
                "values")
 _KIND_YLABEL = {"time": "time per iteration ({unit})",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import struct
 from typing import Iterator, List, Optional, Tuple
 
@@ -11,6 +12,7 @@ import torch
 
 from megatron_ext.config import parse_data_path
 from megatron_ext.errors import UsageError
+from megatron_ext.training.signals import SHIELDED
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 # Scanning a corpus for its largest token id costs one read of it; past this size only
@@ -253,6 +255,18 @@ class PretrainingSampler:
             yield list(range(first, first + self.mbs))
 
 
+def _worker_ignores_exit_signals(worker_id: int) -> None:
+    """A DataLoader worker ignores the exit signals that reach the whole process group.
+
+    ``kill -TERM -- -PGID``, ``scancel`` and Slurm's requeue signal every process of the
+    job: a worker killed by it breaks the batch the main process is fetching
+    (ConnectionResetError) and with it the save at the signal. The main process decides
+    when to stop; its workers end with it (torch's shutdown, or their watch on the parent).
+    """
+    for sig in SHIELDED:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def build_loader(dataset, consumed_samples: int, cfg,
                  runtime) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader over ``dataset`` starting at ``consumed_samples``."""
@@ -271,4 +285,5 @@ def build_loader(dataset, consumed_samples: int, cfg,
         num_workers=cfg.data.num_workers,
         pin_memory=not runtime.is_cpu,
         persistent_workers=cfg.data.num_workers > 0,
+        worker_init_fn=_worker_ignores_exit_signals if cfg.data.num_workers > 0 else None,
     )

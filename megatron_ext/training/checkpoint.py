@@ -218,7 +218,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
     # BaseException: torch.distributed.checkpoint's CheckpointException derives from it.
     except BaseException as err:  # noqa: BLE001 - a full or failing disk is one line
         why = None if isinstance(err, (KeyboardInterrupt, SystemExit)) \
-            else integrity.storage_error(err)
+            else integrity.storage_error(err, root)
         if why is None:
             raise
         if rank0:

@@ -65,12 +65,31 @@ class Faults:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
 
 
-def storage_error(exc: BaseException) -> Optional[str]:
+# Free bytes below which a failed write is put down to a full file system.
+FULL_BELOW = 1 << 20
+
+
+def storage_error(exc: BaseException, directory: Optional[str] = None) -> Optional[str]:
     """The storage failure behind ``exc`` in words (None when it is not one).
 
     Looks through the exception's causes: dist_checkpointing's writer processes report an
-    OSError of theirs wrapped in other exceptions, or only as text.
+    OSError of theirs wrapped in other exceptions, or only as text. Some writers lose the
+    errno on the way (torch's zip writer reports a short write as "unexpected pos N vs M"):
+    with ``directory`` given, a failure while its file system has less than
+    :data:`FULL_BELOW` bytes free is reported as the full file system it is.
     """
+    why = _storage_error(exc)
+    if why is None and directory is not None:
+        try:
+            st = os.statvfs(directory)
+        except OSError:
+            return None
+        if st.f_bavail * st.f_frsize < FULL_BELOW:
+            return f"No space left on device (the file system of {directory} is full)"
+    return why
+
+
+def _storage_error(exc: BaseException) -> Optional[str]:
     seen = set()
     pending = [exc]
     while pending:

@@ -280,3 +280,17 @@ def test_storage_error_is_found_behind_wrappers():
                                                 "[Errno 28] No space left on device")) \
         == "No space left on device"
     assert integrity.storage_error(ValueError("a bug")) is None
+
+
+def test_a_write_that_lost_its_errno_on_a_full_file_system_is_named(monkeypatch, tmp_path):
+    """torch's zip writer reports a short write on a full disk without an errno (CI's tmpfs)."""
+    err = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected "
+                       "pos 704 vs 598")
+    room = os.statvfs_result((4096, 4096, 1000, 900, 900, 100, 50, 50, 0, 255))
+    full = os.statvfs_result((4096, 4096, 1000, 3, 3, 100, 50, 50, 0, 255))
+    monkeypatch.setattr(integrity.os, "statvfs", lambda d: room)
+    assert integrity.storage_error(err, str(tmp_path)) is None
+    monkeypatch.setattr(integrity.os, "statvfs", lambda d: full)
+    assert integrity.storage_error(err, str(tmp_path)) == \
+        f"No space left on device (the file system of {tmp_path} is full)"
+    assert integrity.storage_error(err) is None

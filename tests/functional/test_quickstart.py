@@ -60,8 +60,8 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     assert not list((work / "offload").rglob("sg*")), "tier files left after the run"
     height, width = matplotlib.image.imread(png).shape[:2]
     # The 4 core panels and the offload ones (time, background, ratio, bandwidth, memory,
-    # values).
-    assert (width, height) == (1210, round((0.8 + 2.4 * 10) * 110))
+    # bytes, values).
+    assert (width, height) == (1210, round((0.8 + 2.4 * 11) * 110))
     assert f"plot: {work}/breakdown.png" in out
 
     # It sampled from the model it trained and exported it for transformers.

@@ -17,8 +17,10 @@ import pytest
 
 from mext_testing import TINY, launch, run_pretrain, train_losses
 
+# Megatron-LM's default of 2 data-loader workers per rank: they get the signal too (killed,
+# they broke the batch in flight with ConnectionResetError, and the save with it).
 FLAGS = [*TINY, "--train-iters", "24", "--use-distributed-optimizer", "--lr-decay-style",
-         "linear", "--log-interval", "1", "--eval-iters", "0"]
+         "linear", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "2"]
 POINTER = "latest_checkpointed_iteration.txt"
 
 

@@ -76,7 +76,7 @@ def test_device_accumulation_equals_host_and_resumes_mid_window(tmp_path):
     host's losses bit for bit, with one copy to the host per window; stopped at 6, mid-
     window (steps 5-6 summed on the device) with window 1's update pending, and resumed:
     still the same curve (the device's partial sum is in the checkpoint)."""
-    flags = [*ASYNC, "--bf16", "--log-interval", "1", "--eval-iters", "0",
+    flags = [*ASYNC, *BF16, "--log-interval", "1", "--eval-iters", "0",
              "--lr-decay-style", "linear"]
     host = run_zenflow(tmp_path, [*flags, "--zenflow-accumulate", "host"], name="host.jsonl")
     device = [*flags, "--zenflow-accumulate", "device", "--save", str(tmp_path / "ckpt")]

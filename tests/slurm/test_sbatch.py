@@ -354,8 +354,11 @@ def test_finetune_zenflow_job_finetunes_from_pretrained_then_resumes_from_save_d
     assert sorted(p.name for p in pretrained.iterdir()) == \
         [f"iter_{PRETRAIN_ITERS:07d}", "latest_checkpointed_iteration.txt"]
 
-    log = run_finetune_job(slurm_cluster, finetune_env(tmp_path, pretrained,
-                                                       TRAIN_ITERS=str(FT_ITERS + 4)), tmp_path)
+    # A longer run than the checkpoint's schedule: Megatron-LM refuses that unless told which
+    # schedule to keep, and so does this project (--override-opt_param-scheduler: the flags').
+    log = run_finetune_job(slurm_cluster, finetune_env(
+        tmp_path, pretrained, TRAIN_ITERS=str(FT_ITERS + 4),
+        EXTRA_ARGS="--override-opt_param-scheduler"), tmp_path)
     why = f"\n{log[-4000:]}"
     assert f"resuming the fine-tune from {save} (iteration {FT_ITERS})" in log, why
     assert "--finetune" not in log and f"--load {save} " in log, why

@@ -89,7 +89,8 @@ def test_hf_model_converts_in_finetunes_and_converts_back(finetuned_run, tmp_pat
 def test_converted_checkpoint_needs_finetune(finetuned_run):
     """A weights-only checkpoint has no optimizer or schedule to resume: plain --load is refused.
 
-    (load_checkpoint refuses before it touches the model: no process of its own needed.)
+    (load_checkpoint refuses before it touches the model: no process of its own needed; the
+    files' checksums are the integrity tests' business, so they count as verified here.)
     """
     from types import SimpleNamespace
 
@@ -99,7 +100,7 @@ def test_converted_checkpoint_needs_finetune(finetuned_run):
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(finetune=False, load_optim=True),
                           training=SimpleNamespace(skip_train=False))
     with pytest.raises(UsageError, match="holds model weights only .* add --finetune"):
-        ckpt.load_checkpoint(path, None, None, None, cfg, None)
+        ckpt.load_checkpoint(path, None, None, None, cfg, None, verified=True)
 
 
 # Pure tests of the mapping tables (megatron_ext/model/hf.py).
@@ -112,7 +113,8 @@ SHAPES = [  # (family, heads, query groups)
 def _model_cfg(family, heads, groups, bias=False, untie=True):
     llama = family == "llama"
     return ModelConfig(
-        num_layers=2, hidden_size=8 * heads, num_attention_heads=heads,
+        num_layers=2, hidden_size=8 * heads, num_attention_heads=heads, seq_length=32,
+        max_position_embeddings=32,
         group_query_attention=groups != heads, num_query_groups=groups, ffn_hidden_size=24,
         normalization="RMSNorm" if llama else "LayerNorm", swiglu=llama,
         position_embedding_type="rope" if llama else "learned_absolute",
@@ -185,7 +187,8 @@ def test_architectures_without_an_hf_counterpart_are_refused(changes):
     fields = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
               **changes}
     with pytest.raises(UsageError, match="no Hugging Face architecture"):
-        hf.family_of(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, **fields))
+        hf.family_of(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                 seq_length=32, max_position_embeddings=32, **fields))
 
 
 def test_bad_input_is_one_line(tmp_path):

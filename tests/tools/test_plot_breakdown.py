@@ -132,6 +132,10 @@ def test_feature_fields_are_grouped_by_unit():
     ("offload/cache_hits", [math.nan], "values"),
     ("offload/io_bytes", [0.5, 3e9], "bytes"),
     ("zenflow/d2h_bytes", [2.3e9], "bytes"),
+    # Counts that happen to be 0 or 1 are not ratios.
+    ("offload/device_subgroups_n", [0.0, 1.0], "values"),
+    ("offload/streamed_subgroups", [0.0], "values"),
+    ("zenflow/d2h_copies", [1.0], "values"),
 ])
 def test_classify_field(key, values, kind):
     assert classify_field(key, values) == kind

@@ -7,7 +7,9 @@ import pytest
 from megatron_ext.config import parse_config
 from megatron_ext.errors import UsageError
 
-BASE = ["--mock-data", "--vocab-size", "100", "--micro-batch-size", "2"]
+BASE = ["--mock-data", "--vocab-size", "100", "--micro-batch-size", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--lr", "1e-3", "--train-iters", "2"]
 
 
 def _vpp(flags, world=2):
