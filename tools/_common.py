@@ -230,3 +230,36 @@ def _arg_error(message: str) -> argparse.ArgumentTypeError:
 def human_mb(num_bytes: int) -> str:
     """``num_bytes`` in megabytes (10**6), for progress lines."""
     return f"{num_bytes / 1e6:.2f} MB"
+
+
+# pretrain_gpt.py's tokenizer flags, for the tools that read a checkpoint (their default:
+# the run's, as its checkpoint records them). (flag, dest, argparse keywords)
+_TOKENIZER_FLAGS = (
+    ("--tokenizer-type", "tokenizer_type", {}, "the tokenizer class"),
+    ("--tokenizer-model", "tokenizer_model", {"metavar": "FILE"},
+     "its file: SentencePiece .model, Hugging Face directory or tokenizer.json, tiktoken JSON"),
+    ("--vocab-file", "vocab_file", {"metavar": "FILE"}, "GPT2BPETokenizer's vocab.json"),
+    ("--merge-file", "merge_file", {"metavar": "FILE"}, "GPT2BPETokenizer's merges.txt"),
+    ("--vocab-size", "vocab_size", {"type": positive_int, "metavar": "N"},
+     "NullTokenizer's vocabulary size"),
+    ("--tiktoken-pattern", "tiktoken_pattern", {"choices": ("v1", "v2")},
+     "TikTokenizer's split pattern"),
+)
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    """Adds pretrain_gpt.py's tokenizer flags; each defaults to the run's."""
+    from megatron_ext.data.tokenizer import TOKENIZER_TYPES
+
+    group = parser.add_argument_group("tokenizer (as pretrain_gpt.py; default: the run's, "
+                                      "from the checkpoint)")
+    for flag, dest, kwargs, what in _TOKENIZER_FLAGS:
+        if dest == "tokenizer_type":
+            kwargs = {**kwargs, "choices": TOKENIZER_TYPES}
+        group.add_argument(flag, dest=dest, default=None, help=f"{what} (default: the run's)",
+                           **kwargs)
+
+
+def tokenizer_args(args: argparse.Namespace) -> Dict[str, object]:
+    """The tokenizer fields the flags of :func:`add_tokenizer_args` gave (None: not given)."""
+    return {dest: getattr(args, dest) for _, dest, _, _ in _TOKENIZER_FLAGS}

@@ -24,7 +24,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from _common import ToolArgumentParser, ToolError, log, positive_int, run_tool
+from _common import (
+    ToolArgumentParser,
+    ToolError,
+    add_tokenizer_args,
+    log,
+    positive_int,
+    run_tool,
+    tokenizer_args,
+)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
@@ -47,12 +55,7 @@ def build_parser() -> ToolArgumentParser:
                         help="global batches to evaluate (default: the run's --eval-iters)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs (auto: cuda when a GPU is visible)")
-    parser.add_argument("--tokenizer-type", default=None,
-                        choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                                 "NullTokenizer"),
-                        help="tokenizer (default: the run's)")
-    parser.add_argument("--tokenizer-model", default=None, metavar="FILE",
-                        help="SentencePiece .model file (default: the run's)")
+    add_tokenizer_args(parser)
     parser.add_argument("--metrics-path", default=None, metavar="FILE",
                         help="append the result as one JSON record to FILE")
     return parser
@@ -71,7 +74,7 @@ def evaluate(args) -> dict:
     if eval_iters < 1:
         raise ToolError("the run did not evaluate (--eval-iters 0): give --eval-iters N")
     data = {"mock_data": False, "data_path": list(args.data_path),
-            **standalone.tokenizer_settings(common, args.tokenizer_type, args.tokenizer_model)}
+            **standalone.tokenizer_settings(common, tokenizer_args(args))}
     if args.split:
         data["split"] = args.split
     cfg = standalone.run_config(common, device=args.device, fp32=False, data=data,

@@ -21,7 +21,16 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from _common import ToolArgumentParser, ToolError, log, non_negative_int, positive_int, run_tool
+from _common import (
+    ToolArgumentParser,
+    ToolError,
+    add_tokenizer_args,
+    log,
+    non_negative_int,
+    positive_int,
+    run_tool,
+    tokenizer_args,
+)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
@@ -76,12 +85,7 @@ def build_parser() -> ToolArgumentParser:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs (auto: cuda when a GPU is visible; the CPU "
                              "runs in fp32, the GPU in the run's precision)")
-    parser.add_argument("--tokenizer-type", default=None,
-                        choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                                 "NullTokenizer"),
-                        help="tokenizer (default: the run's)")
-    parser.add_argument("--tokenizer-model", default=None, metavar="FILE",
-                        help="SentencePiece .model file (default: the run's)")
+    add_tokenizer_args(parser)
     return parser
 
 
@@ -163,7 +167,7 @@ def _run(args, settings: dict) -> None:
     path = standalone.resolve_checkpoint(args.load)
     common = standalone.read_common(path)
     tokenizer = build_tokenizer(DataConfig(**standalone.tokenizer_settings(
-        common, args.tokenizer_type, args.tokenizer_model)))
+        common, tokenizer_args(args))))
     on_cpu = resolve_device(args.device).type == "cpu"
     model, cfg, runtime, _ = standalone.load_model(path, device=args.device, fp32=on_cpu)
     vocab = tokenizer.vocab_size

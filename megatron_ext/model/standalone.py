@@ -125,7 +125,8 @@ def run_config(common: dict, *, device: str = "cpu", fp32: bool = True, data: Op
     if data is None:
         vocab = saved.get("data", {}).get("vocab_size") or 1
         data = {"mock_data": True, "data_path": [], "tokenizer_type": None,
-                "tokenizer_model": None, "vocab_size": vocab}
+                "tokenizer_model": None, "vocab_file": None, "merge_file": None,
+                "tiktoken_pattern": None, "vocab_size": vocab}
     data_values = {**saved.get("data", {}), **data}
     return RunConfig(
         model=_section(s.ModelConfig, saved["model"]),
@@ -237,30 +238,46 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
     return final
 
 
-def tokenizer_settings(common: dict, tokenizer_type: Optional[str] = None,
-                       tokenizer_model: Optional[str] = None) -> dict:
+# The data-section fields that make the tokenizer (pretrain_gpt.py's tokenizer flags).
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_size", "vocab_file",
+                    "merge_file", "vocab_extra_ids", "tiktoken_pattern",
+                    "tiktoken_num_special_tokens", "tokenizer_special_tokens",
+                    "tiktoken_special_tokens")
+# Those that name files: the run's are not kept when another tokenizer type is given.
+_TOKENIZER_FILES = {"tokenizer_model": "--tokenizer-model", "vocab_file": "--vocab-file",
+                    "merge_file": "--merge-file"}
+
+
+def tokenizer_settings(common: dict, given: Optional[dict] = None) -> dict:
     """The data-section fields of the tokenizer: the flags given, else the run's.
 
+    Args:
+        common: the checkpoint's common state.
+        given: tokenizer fields from a tool's flags (None values: not given). A tokenizer
+            type other than the run's drops the run's files (its model, vocabulary, merges).
+
     Raises:
-        UsageError: the run's tokenizer file is gone and no other is given.
+        UsageError: no tokenizer is recorded or given, or a file it needs is gone.
     """
     saved = saved_sections(common).get("data", {})
-    kind = tokenizer_type or saved.get("tokenizer_type")
-    model = tokenizer_model or (saved.get("tokenizer_model") if not tokenizer_type else None)
-    if kind is None and saved.get("vocab_size"):
-        kind = "NullTokenizer"  # --mock-data --vocab-size N runs tokenize as NullTokenizer
-    if kind is None:
-        raise UsageError("the checkpoint records no tokenizer: give --tokenizer-type "
-                         "SentencePieceTokenizer --tokenizer-model FILE")
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        if not model:
-            raise UsageError(f"--tokenizer-type {kind} needs --tokenizer-model FILE")
-        if not os.path.isfile(model):
-            flag = "--tokenizer-model" if tokenizer_model else "the run's tokenizer model"
-            raise UsageError(f"{flag} {model}: file not found (give --tokenizer-model FILE)")
-        return {"tokenizer_type": kind, "tokenizer_model": model}
-    vocab = saved.get("vocab_size")
-    if not vocab:
-        raise UsageError("NullTokenizer needs the run's --vocab-size, which the checkpoint "
-                         "does not record")
-    return {"tokenizer_type": kind, "tokenizer_model": None, "vocab_size": vocab}
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    settings = {k: saved[k] for k in TOKENIZER_FIELDS if saved.get(k) is not None}
+    if given.get("tokenizer_type", settings.get("tokenizer_type")) != \
+            settings.get("tokenizer_type"):
+        for field in _TOKENIZER_FILES:
+            settings.pop(field, None)
+    settings.update(given)
+    if settings.get("tokenizer_type") is None and settings.get("vocab_size"):
+        settings["tokenizer_type"] = "NullTokenizer"  # --mock-data --vocab-size N runs
+    if settings.get("tokenizer_type") is None:
+        raise UsageError("the checkpoint records no tokenizer: give --tokenizer-type with "
+                         "its files, as pretrain_gpt.py takes them")
+    for field, flag in _TOKENIZER_FILES.items():
+        path = settings.get(field)
+        if path and not os.path.exists(path):
+            origin = flag if field in given else f"the run's {flag}"
+            raise UsageError(f"{origin} {path}: not found (give {flag} with the file)")
+    # Explicitly empty, so that merged over the run's data section they replace its files.
+    for field in (*_TOKENIZER_FILES, "tiktoken_pattern"):
+        settings.setdefault(field, None)
+    return settings

@@ -67,16 +67,24 @@ def test_each_tokenizer_type_preprocesses_and_trains(tmp_path):
         assert len(ds) == 200
         metrics = tmp_path / f"{kind}.jsonl"
         runs.append([*TRAIN, "--data-path", f"{prefix}_text_document", "--tokenizer-type", kind,
-                     *flags, "--metrics-path", str(metrics)])
-    # All trainings in one process, one after the other.
-    driver = ("import json, os, sys, pretrain_gpt\n"
+                     *flags, "--metrics-path", str(metrics), "--save", str(tmp_path / kind)])
+    # All trainings in one process, one after the other; then tools/generate.py on each
+    # checkpoint with no tokenizer flags: it must take the run's tokenizer and its files.
+    driver = ("import json, os, sys, pretrain_gpt, generate, _common\n"
               "from mext_testing import free_port\n"
               "for args in json.loads(sys.argv[1]):\n"
               "    os.environ['MASTER_PORT'] = str(free_port())\n"
               "    rc = pretrain_gpt.main(args)\n"
-              "    assert rc == 0, (rc, args)\n")
-    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(runs)], cwd=ROOT,
-                          env=_env({"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}),
+              "    assert rc == 0, (rc, args)\n"
+              "for args in json.loads(sys.argv[1]):\n"
+              "    save = args[args.index('--save') + 1]\n"
+              "    print('GENERATE', os.path.basename(save), flush=True)\n"
+              "    rc = _common.run_tool(generate.main, ['--load', save, '--prompt', "
+              "sys.argv[2], '--max-new-tokens', '3', '--greedy', '--device', 'cpu'])\n"
+              "    assert rc == 0, (rc, save)\n")
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")])
+    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(runs), "the quick"],
+                          cwd=ROOT, env=_env({"PYTHONPATH": path}),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -84,6 +92,8 @@ def test_each_tokenizer_type_preprocesses_and_trains(tmp_path):
         records = read_metrics(tmp_path / f"{kind}.jsonl")
         assert [r["iteration"] for r in records] == [1, 2], kind
         assert all(math.isfinite(r["lm_loss"]) for r in records), kind
+        assert f"GENERATE {kind}\n" in proc.stdout, proc.stdout[-3000:]
+    assert "error:" not in proc.stdout, proc.stdout[-3000:]
 
 
 _KINDS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",

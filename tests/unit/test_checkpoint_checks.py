@@ -96,3 +96,32 @@ def test_empty_split(split, n, problem):
     else:
         with pytest.raises(UsageError, match=problem):
             check_split_sizes(split, lengths)
+
+
+def test_tools_take_the_runs_tokenizer_and_its_files(tmp_path):
+    """tools/generate.py and evaluate.py: every tokenizer field is the run's unless given;
+    another type drops the run's files."""
+    from megatron_ext.model import standalone
+
+    vocab, merges, spm = (tmp_path / n for n in ("vocab.json", "merges.txt", "spm.model"))
+    for f in (vocab, merges, spm):
+        f.write_text("x")
+    data = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(vocab),
+            "merge_file": str(merges), "tokenizer_model": None, "vocab_extra_ids": 0}
+    common = {"config": {"model": {}, "data": data}}
+    got = standalone.tokenizer_settings(common)
+    assert got["tokenizer_type"] == "GPT2BPETokenizer"
+    assert (got["vocab_file"], got["merge_file"]) == (str(vocab), str(merges))
+    other = standalone.tokenizer_settings(common, {"tokenizer_type": "SentencePieceTokenizer",
+                                                   "tokenizer_model": str(spm),
+                                                   "vocab_file": None})
+    assert other["tokenizer_model"] == str(spm)
+    assert other["vocab_file"] is None and other["merge_file"] is None
+    vocab.unlink()
+    with pytest.raises(UsageError, match=f"the run's --vocab-file {vocab}: not found"):
+        standalone.tokenizer_settings(common)
+    with pytest.raises(UsageError, match="records no tokenizer"):
+        standalone.tokenizer_settings({"config": {"model": {}, "data": {}}})
+    assert standalone.tokenizer_settings({"config": {"model": {}, "data": {"vocab_size": 99}}}) == {
+        "tokenizer_type": "NullTokenizer", "vocab_size": 99, "tokenizer_model": None,
+        "vocab_file": None, "merge_file": None, "tiktoken_pattern": None}
