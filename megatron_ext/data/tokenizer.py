@@ -67,7 +67,9 @@ def _check_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
     if not path:
         raise UsageError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.exists(path):
-        raise UsageError(f"{flag} {path}: file not found")
+        what = ("no such tokenizer directory or tokenizer.json"
+                if tokenizer_type == "HuggingFaceTokenizer" else "file not found")
+        raise UsageError(f"{flag} {path}: {what}")
     return path
 
 
