@@ -138,7 +138,9 @@ def _load_sentencepiece(model_path: str, flag: str = "--tokenizer-model"):
     import sentencepiece
 
     if not os.path.isfile(model_path):
-        raise UsageError(f"{flag} {model_path}: file not found")
+        what = ("a directory, not a SentencePiece .model file" if os.path.isdir(model_path)
+                else "file not found")
+        raise UsageError(f"{flag} {model_path}: {what}")
     try:
         return sentencepiece.SentencePieceProcessor(model_file=model_path, num_threads=1)
     except (RuntimeError, OSError) as err:
