@@ -140,6 +140,11 @@ CASES = {
                             "--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2",
                             "--tokenizer-model", "{t}/broken.json"],
         "--tokenizer-model {t}/broken.json: not a JSON file"),
+    "preprocess_data sentencepiece model that is a directory": (
+        "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                            "{t}/empty"],
+        "--tokenizer-model {t}/empty: a directory, not a SentencePiece .model file"),
     "preprocess_data extra ids for the null tokenizer": (
         "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
