@@ -9,8 +9,13 @@ import os
 import sys
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+def _reports_errors() -> bool:
+    """Rank 0 prints the error; so does a process whose rank is malformed or out of range."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")).strip()
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")).strip()
+    if not (rank.isdigit() and world.isdigit()):
+        return True
+    return int(rank) == 0 or int(rank) >= int(world)
 
 
 def main(argv=None) -> int:
@@ -24,7 +29,7 @@ def main(argv=None) -> int:
 
         return pretrain(cfg)
     except UsageError as err:
-        if _rank() == 0:
+        if _reports_errors():
             print(f"error: {err}", file=sys.stderr, flush=True)
         return UsageError.exit_code
 

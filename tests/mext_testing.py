@@ -117,6 +117,10 @@ def run_pretrain(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None
     return result
 
 
+# Not a test, though its name says so (every module that imports it would collect it).
+test_env.__test__ = False
+
+
 def read_metrics(path) -> List[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -185,3 +189,13 @@ def write_indexed_dataset(prefix, documents) -> None:
     for doc in documents:
         builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
     builder.finalize(str(prefix) + ".idx")
+
+
+def assert_one_error_line(status, stdout: str, stderr: str, expected: str) -> None:
+    """Bad input failed as it must: exit status 2, on stderr exactly one line, which starts
+    with ``error: `` and holds ``expected``, and no traceback anywhere."""
+    assert status == 2, f"exit status {status}\n{stdout}{stderr}"
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert expected in lines[0], f"{expected!r} not in {lines[0]!r}"

@@ -103,7 +103,14 @@ def ensure_parent_dir(path: str) -> None:
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as err:
-        raise ToolError(f"cannot create output directory {parent}: {err.strerror}") from None
+        # makedirs says "File exists" (or "Not a directory") when a component is a file.
+        blocker = parent
+        while not os.path.exists(blocker):
+            blocker = os.path.dirname(blocker)
+        why = (f"{blocker} is a file, not a directory" if not os.path.isdir(blocker)
+               else err.strerror)
+        raise ToolError(f"cannot create output directory {parent}: {why}; give another "
+                        "path") from None
 
 
 def check_input_file(path: str, flag: str) -> None:

@@ -45,6 +45,11 @@ class RunConfig:
             raise UsageError("--mock-data and --data-path are exclusive; give one of them")
         if not data.mock_data and not data.data_path:
             raise UsageError("no training data: give --data-path PREFIX (or --mock-data)")
+        if data.data_path:
+            # The weights' format, before anything starts (the files are read later).
+            from megatron_ext.config.cli import parse_data_path
+
+            parse_data_path(data.data_path)
         check_tokenizer_flags(data)
         if data.tokenizer_type in (None, "NullTokenizer") and data.vocab_size is None:
             raise UsageError(

@@ -9,6 +9,7 @@ world size live in :mod:`megatron_ext.config.run`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import List, Optional
 
 from megatron_ext.config.fields import option
@@ -27,6 +28,31 @@ def _positive(section: object, *names: str) -> None:
         value = getattr(section, name)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _output_path(flag: str, path: Optional[str], directory: bool = True) -> None:
+    """Refuses now an output path that the run could not create or write when it gets there.
+
+    A --save that is a file would otherwise fail at the first save, after the training.
+    """
+    if path is None:
+        return
+    kind = "directory" if directory else "file"
+    if os.path.exists(path):
+        if os.path.isdir(path) != directory:
+            what = "a directory" if directory else "a file path"
+            raise UsageError(f"{flag} {path}: is a {'file' if directory else 'directory'}; "
+                             f"give {what}")
+        writable = path if directory else os.path.dirname(os.path.abspath(path))
+    else:
+        writable = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(writable):
+            writable = os.path.dirname(writable)
+        if not os.path.isdir(writable):
+            raise UsageError(f"{flag} {path}: {writable} is a file, so the {kind} cannot be "
+                             "created there; give another path")
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {writable} is not writable by this user")
 
 
 @dataclasses.dataclass
@@ -489,6 +515,7 @@ class DataConfig:
             raise UsageError("--vocab-extra-ids must be >= 0")
         if self.num_workers < 0:
             raise UsageError("--num-workers must be >= 0")
+        _output_path("--data-cache-path", self.data_cache_path)
 
 
 @dataclasses.dataclass
@@ -538,6 +565,7 @@ class CheckpointConfig:
 
     def __post_init__(self):
         _positive(self, "save_interval")
+        _output_path("--save", self.save)
         if self.ckpt_format != "torch_dist":
             raise UsageError(f"--ckpt-format {self.ckpt_format}: only torch_dist "
                              "(megatron-core dist_checkpointing) is supported; use torch_dist")
@@ -626,6 +654,11 @@ class LoggingConfig:
             raise UsageError("--use-pytorch-profiler chooses how --profile profiles; add "
                              "--profile")
         _positive(self, "tensorboard_log_interval", "tensorboard_queue_size")
+        _output_path("--metrics-path", self.metrics_path, directory=False)
+        _output_path("--tensorboard-dir", self.tensorboard_dir)
+        _output_path("--wandb-save-dir", self.wandb_save_dir)
+        if self.use_pytorch_profiler:
+            _output_path("--profile-dir", self.profile_dir)
         tb_only = [name for name in ("log_timers_to_tensorboard",
                                      "log_validation_ppl_to_tensorboard",
                                      "log_memory_to_tensorboard", "log_world_size_to_tensorboard")

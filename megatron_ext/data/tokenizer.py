@@ -67,7 +67,9 @@ def _check_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
     if not path:
         raise UsageError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.exists(path):
-        raise UsageError(f"{flag} {path}: file not found")
+        what = ("no such tokenizer directory or tokenizer.json"
+                if tokenizer_type == "HuggingFaceTokenizer" else "file not found")
+        raise UsageError(f"{flag} {path}: {what}")
     return path
 
 
@@ -136,7 +138,9 @@ def _load_sentencepiece(model_path: str, flag: str = "--tokenizer-model"):
     import sentencepiece
 
     if not os.path.isfile(model_path):
-        raise UsageError(f"{flag} {model_path}: file not found")
+        what = ("a directory, not a SentencePiece .model file" if os.path.isdir(model_path)
+                else "file not found")
+        raise UsageError(f"{flag} {model_path}: {what}")
     try:
         return sentencepiece.SentencePieceProcessor(model_file=model_path, num_threads=1)
     except (RuntimeError, OSError) as err:

@@ -86,6 +86,40 @@ MEMORY_PEAK_ENV = "MEGATRON_EXT_DEVICE_PEAK_GB"
 STREAM_SHARE_ENV = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
 
 
+@dataclasses.dataclass(frozen=True)
+class _TestHooks:
+    """The test hooks' values, read and checked when the engine starts (not mid-run)."""
+
+    memory_limit_gb: Optional[float]
+    peaks_gb: tuple
+    """(from step, GB) pairs of $MEGATRON_EXT_DEVICE_PEAK_GB, in the order given."""
+    stream_share: Optional[float]
+
+    @classmethod
+    def from_environ(cls, environ) -> "_TestHooks":
+        def number(name, text):
+            try:
+                value = float(text)
+            except ValueError:
+                value = float("nan")
+            if not value >= 0 or value == float("inf"):
+                raise UsageError(f"{name}={environ[name]}: give a number >= 0")
+            return value
+
+        limit = environ.get(MEMORY_LIMIT_ENV)
+        peaks = []
+        for item in environ.get(MEMORY_PEAK_ENV, "").split(","):
+            if item:
+                step, _, value = item.partition(":")
+                if not step.strip().isdigit():
+                    raise UsageError(f"{MEMORY_PEAK_ENV}={environ[MEMORY_PEAK_ENV]}: give "
+                                     "STEP:GB pairs separated by commas, e.g. 1:0.5,6:0.8")
+                peaks.append((int(step), number(MEMORY_PEAK_ENV, value)))
+        share = environ.get(STREAM_SHARE_ENV)
+        return cls(None if limit is None else number(MEMORY_LIMIT_ENV, limit), tuple(peaks),
+                   None if share is None else min(1.0, number(STREAM_SHARE_ENV, share)))
+
+
 class _Faults:
     """Faults injected by the test suite through ``MEGATRON_EXT_OFFLOAD_FAULT``.
 
@@ -174,6 +208,7 @@ class OffloadEngine:
         self.fused_adam = self.is_cuda
         self._trace_path = os.environ.get(TRACE_ENV)
         self._faults = _Faults(os.environ.get(FAULT_ENV, ""))
+        self._hooks = _TestHooks.from_environ(os.environ)
 
         self.tiers = list(tiers)
         self.stats = _StepStats(len(self.tiers))
@@ -198,7 +233,7 @@ class OffloadEngine:
         self._device_set = set(self.device_members)
         self._device_states: Dict[int, torch.Tensor] = {}
         self.device_sized = not self.device_auto
-        if self.device_auto and not self.is_cuda and MEMORY_LIMIT_ENV not in os.environ:
+        if self.device_auto and not self.is_cuda and self._hooks.memory_limit_gb is None:
             raise UsageError("--offload-device-cache-gb auto measures GPU memory and this run "
                              "is on the CPU: give a size in GB (the CPU's 'device' tier is "
                              "host memory)")
@@ -375,15 +410,13 @@ class OffloadEngine:
 
     def _memory(self) -> tuple:
         """(usable device bytes, peak allocated bytes of the iterations so far)."""
-        limit_gb = os.environ.get(MEMORY_LIMIT_ENV)
+        limit_gb = self._hooks.memory_limit_gb
         if limit_gb is not None:
             peak_gb = 0.0
-            for item in os.environ.get(MEMORY_PEAK_ENV, "").split(","):
-                if item:
-                    step, value = item.split(":")
-                    if int(step) <= self.step_count + 1:
-                        peak_gb = float(value)
-            return int(float(limit_gb) * 1e9), int(peak_gb * 1e9) + self.device_bytes()
+            for step, value in self._hooks.peaks_gb:
+                if step <= self.step_count + 1:
+                    peak_gb = value
+            return int(limit_gb * 1e9), int(peak_gb * 1e9) + self.device_bytes()
         return (torch.cuda.mem_get_info(self.device)[1],
                 torch.cuda.max_memory_allocated(self.device))
 
@@ -1040,9 +1073,9 @@ class OffloadEngine:
         """The share of the host subgroups' elements the device updates this step."""
         if not self.cfg.offload_gpu_update:
             return 0.0
-        forced = os.environ.get(STREAM_SHARE_ENV)
+        forced = self._hooks.stream_share
         if forced is not None:
-            return min(1.0, max(0.0, float(forced)))
+            return forced
         if not self.is_cuda:
             # The "device" is the CPU itself: streaming would only add copies.
             return 0.0

@@ -10,7 +10,8 @@ is the CPU:
   to ``cpu``, makes ``Tensor.cuda()`` a no-op and reports ``torch.cuda.*`` type names
   from ``Tensor.type()`` (so megatron-core's dtype checks pass);
 * small replacements of the ``torch.cuda`` entry points megatron-core calls
-  (synchronize, streams, events, memory statistics, current device).
+  (synchronize, streams, events, memory statistics, current device), and of the CUDA
+  generator state that activation recomputation saves and restores (the CPU's here).
 
 The cost is about a millisecond per forward+backward of a tiny model. Because CUDA is
 mapped away, a CPU run cannot catch device-placement bugs (streams, pinned memory,
@@ -143,6 +144,20 @@ def _patch_torch_cuda() -> None:
         setattr(cuda, name, value)
 
 
+def _patch_rng_checkpointing() -> None:
+    """Activation recomputation saves and restores the "CUDA" generator: here, the CPU's.
+
+    megatron-core's CheckpointFunction (--recompute-granularity full) snapshots the CPU and
+    the CUDA generator before the forward and restores both for the recomputation, so that
+    dropout draws the same masks. On the CPU, dropout draws from the CPU generator; reading
+    the CUDA one would initialize CUDA and fail.
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
 def install() -> None:
     """Installs the CPU compatibility layer for this process (idempotent).
 
@@ -156,6 +171,7 @@ def install() -> None:
         if torch.cuda.is_available():
             raise RuntimeError("cpu_compat must not be installed when CUDA is used")
         _patch_torch_cuda()
+        _patch_rng_checkpointing()
         # The mode is entered for the life of the process. torch keeps one mode stack per
         # thread: code that runs megatron-core in threads of its own must enter
         # CudaToCpuMode there too.

@@ -52,10 +52,24 @@ def read_process_env() -> tuple:
     from_slurm = slurm.torch_env_from_slurm(os.environ)
     if from_slurm:
         os.environ.update(from_slurm)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world, local = (_env_int(name, default) for name, default in
+                          (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    if world < 1 or not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} WORLD_SIZE={world}: the rank must be in [0, WORLD_SIZE); "
+                         "launch with torchrun or srun, or unset them for a single process")
     return rank, world, local
+
+
+def _env_int(name: str, default: int) -> int:
+    """A launcher's integer variable (torchrun sets them; a script may set them wrong)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value}: not an integer; launch with torchrun or srun, or "
+                         "unset it for a single process") from None
 
 
 def initialize(cfg) -> Runtime:

@@ -57,11 +57,15 @@ class Faults:
     def __init__(self, text: Optional[str] = None):
         text = os.environ.get(FAULT_ENV, "") if text is None else text
         self.rules = [part.split(":") for part in text.split(";") if part]
+        for rule in self.rules:
+            if rule[0] != "enospc" or len(rule) != 2 or not rule[1].isdigit():
+                raise UsageError(f"{FAULT_ENV}={text}: give enospc:ITERATION (faults for "
+                                 "tests), or unset it")
 
     def check_save(self, iteration: int) -> None:
         """Raises the injected ENOSPC at the save of ``iteration``."""
         for rule in self.rules:
-            if rule[0] == "enospc" and len(rule) > 1 and int(rule[1]) == iteration:
+            if int(rule[1]) == iteration:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
 
 

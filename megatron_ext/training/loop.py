@@ -20,6 +20,7 @@ import torch
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training import integrity
 from megatron_ext.training.metrics import (
     EtaClock,
     MetricsWriter,
@@ -195,6 +196,9 @@ class Trainer:
 
         self.cfg = cfg
         self._sync_stream_only = step_sync_mode() == "stream"
+        if cfg.checkpoint.save:
+            # Read at every save; checked now, not at the end of the training.
+            integrity.Faults()
         self.runtime = rt = initialize(cfg)
         _setup_logging(rt.rank)
         if cfg.training.deterministic_mode:

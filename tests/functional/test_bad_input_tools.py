@@ -1,0 +1,213 @@
+"""The tools' bad input: one ``error:`` line each, exit status 2, no traceback.
+
+The tools write progress lines to stderr too, so the check is the one tests/tools makes:
+exactly one line starting ``error: `` (the last one), holding the expected fragment. The
+cases run in this process through each tool's own entry point (``run_tool(main, argv)``, as
+its ``__main__`` does); a few run as processes, so the real process path is proven. The
+tools' own suites (tests/tools) cover more of their errors; this table adds the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mext_testing import ROOT
+
+TOOLS = os.path.join(str(ROOT), "tools")
+if TOOLS not in sys.path:
+    # The tools import their helpers as the top-level module _common, as scripts do.
+    sys.path.insert(0, TOOLS)
+
+# (tool, argv with {t} for a directory holding the inputs below, expected fragment)
+CASES = {
+    "build_corpus without --output": (
+        "build_corpus", ["--max-docs", "3"], "the following arguments are required: --output"),
+    "build_corpus negative seed": (
+        "build_corpus", ["--output", "{t}/c.jsonl", "--seed", "-1"],
+        "argument --seed: must be >= 0, got -1"),
+    "build_corpus output under a file": (
+        "build_corpus", ["--output", "{t}/afile/c.jsonl", "--max-docs", "1"],
+        "cannot create output directory {t}/afile: {t}/afile is a file, not a directory"),
+    "convert_checkpoint without a direction": (
+        "convert_checkpoint", [], "give --to hf (with --load, --output) or --from hf"),
+    "convert_checkpoint both directions": (
+        "convert_checkpoint", ["--to", "hf", "--from", "hf"],
+        "--to and --from are exclusive; give one direction"),
+    "convert_checkpoint to hf without output": (
+        "convert_checkpoint", ["--to", "hf", "--load", "{t}"],
+        "--to hf needs --load CKPT_DIR and --output HF_DIR"),
+    "convert_checkpoint input without config.json": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/weights_only", "--save", "{t}/ck"],
+        "no config.json (not a transformers model directory)"),
+    "convert_checkpoint config.json without a model type": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/ck"],
+        "--input {t}/bare_config: unsupported config.json"),
+    "convert_checkpoint vocabulary padding zero": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/ck",
+                               "--make-vocab-size-divisible-by", "0"],
+        "--make-vocab-size-divisible-by must be >= 1"),
+    "generate without a prompt": (
+        "generate", ["--load", "{t}"], "the following arguments are required: --prompt"),
+    "generate zero new tokens": (
+        "generate", ["--load", "{t}", "--prompt", "x", "--max-new-tokens", "0"],
+        "argument --max-new-tokens: must be >= 1, got 0"),
+    "generate temperature zero": (
+        "generate", ["--load", "{t}", "--prompt", "x", "--temperature", "0"],
+        "argument --temperature: must be > 0, got 0.0"),
+    "generate negative top-k": (
+        "generate", ["--load", "{t}", "--prompt", "x", "--top-k", "-1"],
+        "argument --top-k: must be >= 0, got -1"),
+    "generate greedy with a temperature": (
+        "generate", ["--load", "{t}", "--prompt", "x", "--greedy", "--temperature", "0.5"],
+        "--greedy takes the most likely token: drop --temperature"),
+    "generate from a directory that is not a checkpoint": (
+        "generate", ["--load", "{t}/empty", "--prompt", "x"],
+        "--load {t}/empty: not a checkpoint (no latest_checkpointed_iteration.txt"),
+    "evaluate without a data path": (
+        "evaluate", ["--load", "{t}"], "the following arguments are required: --data-path"),
+    "evaluate a directory that is not a checkpoint": (
+        "evaluate", ["--load", "{t}/empty", "--data-path", "corpus"],
+        "--load {t}/empty: not a checkpoint"),
+    "evaluate on an unknown device": (
+        "evaluate", ["--load", "{t}", "--data-path", "corpus", "--device", "tpu"],
+        "argument --device: invalid choice: 'tpu'"),
+    "plot_breakdown of a directory": (
+        "plot_breakdown", ["{t}/empty", "--output", "{t}/b.png"],
+        "metrics file {t}/empty: not a regular file"),
+    "plot_breakdown without output": (
+        "plot_breakdown", ["{t}/metrics.jsonl"],
+        "the following arguments are required: --output"),
+    "probe_tiers without a directory": (
+        "probe_tiers", [], "the following arguments are required: DIR"),
+    "probe_tiers zero threads": (
+        "probe_tiers", ["{t}", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    "train_tokenizer coverage zero": (
+        "train_tokenizer", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/tok",
+                            "--character-coverage", "0"],
+        "--character-coverage 0.0: must be in (0, 1]"),
+    "train_tokenizer unknown model type": (
+        "train_tokenizer", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/tok",
+                            "--model-type", "word"],
+        "argument --model-type: invalid choice: 'word'"),
+    "train_tokenizer vocabulary zero": (
+        "train_tokenizer", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/tok",
+                            "--vocab-size", "0"],
+        "argument --vocab-size: must be >= 1, got 0"),
+    "train_tokenizer on empty documents": (
+        "train_tokenizer", ["--input", "{t}/empty_docs.jsonl", "--output-prefix", "{t}/tok"],
+        "the input has no text to train on"),
+    "train_tokenizer on text that is not utf-8": (
+        "train_tokenizer", ["--input", "{t}/latin1.txt", "--output-prefix", "{t}/tok"],
+        "{t}/latin1.txt: not valid UTF-8 text"),
+    "train_tokenizer vocabulary larger than the text allows": (
+        "train_tokenizer", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/tok",
+                            "--vocab-size", "100000"],
+        "Vocabulary size too high (100000)"),
+    "preprocess_data of empty documents": (
+        "preprocess_data", ["--input", "{t}/empty_docs.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+        "no document to write: the 2 input lines were all malformed or empty"),
+    "preprocess_data of plain text": (
+        "preprocess_data", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+        "{t}/plain.txt:1: invalid JSON"),
+    "preprocess_data gpt2 without its files": (
+        "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "GPT2BPETokenizer"],
+        "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
+    "preprocess_data null tokenizer without vocabulary": (
+        "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer"],
+        "no vocabulary: give --tokenizer-type and its files, or --vocab-size N"),
+    "preprocess_data hugging face directory without a tokenizer": (
+        "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                            "{t}/empty"],
+        "--tokenizer-model {t}/empty: not a Hugging Face tokenizer"),
+    "preprocess_data gpt2 files that are not gpt2's": (
+        "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                            "{t}/plain.txt", "--merge-file", "{t}/plain.txt"],
+        "not a GPT-2 BPE vocabulary and merges file"),
+    "preprocess_data tiktoken vocabulary not json": (
+        "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2",
+                            "--tokenizer-model", "{t}/broken.json"],
+        "--tokenizer-model {t}/broken.json: not a JSON file"),
+    "preprocess_data sentencepiece model that is a directory": (
+        "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                            "{t}/empty"],
+        "--tokenizer-model {t}/empty: a directory, not a SentencePiece .model file"),
+    "preprocess_data extra ids for the null tokenizer": (
+        "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                            "--vocab-extra-ids", "2"],
+        "--vocab-extra-ids is read by --tokenizer-type SentencePieceTokenizer only"),
+    "preprocess_data output under a file": (
+        "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/afile/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+        "{t}/afile is a file, not a directory"),
+}
+
+# Run as processes too: one tool without torch, one with it.
+PROCESS_CASES = ["build_corpus output under a file", "preprocess_data of plain text"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    t = tmp_path_factory.mktemp("bad-tool-input")
+    (t / "afile").write_text("x")
+    (t / "empty").mkdir()
+    (t / "weights_only").mkdir()
+    (t / "weights_only" / "model.safetensors").write_bytes(b"")
+    (t / "bare_config").mkdir()
+    (t / "bare_config" / "config.json").write_text("{}")
+    (t / "plain.txt").write_text("plain text, one line of it\n")
+    (t / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (t / "empty_docs.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    (t / "texts.jsonl").write_text('{"text": "1 2 3"}\n')
+    (t / "broken.json").write_text("{not json")
+    (t / "metrics.jsonl").write_text('{"iteration": 1, "lm_loss": 5.0}\n')
+    return t
+
+
+def _check(status, stdout: str, stderr: str, expected: str) -> None:
+    assert status == 2, f"exit status {status}\n{stdout}{stderr}"
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr
+    assert expected in errors[0], f"{expected!r} not in {errors[0]!r}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_tool_input_gives_one_line(inputs, capsys, case):
+    import _common
+
+    tool, argv, expected = CASES[case]
+    module = importlib.import_module(tool)
+    handler = signal.getsignal(signal.SIGTERM)  # run_tool installs its own
+    try:
+        status = _common.run_tool(module.main, [a.replace("{t}", str(inputs)) for a in argv])
+    except SystemExit as exc:  # argparse's exits, as the process would end
+        status = exc.code
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out, err = capsys.readouterr()
+    _check(status, out, err, expected.replace("{t}", str(inputs)))
+
+
+@pytest.mark.parametrize("case", PROCESS_CASES)
+def test_bad_tool_input_in_a_process(inputs, case):
+    tool, argv, expected = CASES[case]
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, f"{tool}.py"),
+                           *[a.replace("{t}", str(inputs)) for a in argv]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    _check(proc.returncode, proc.stdout, proc.stderr, expected.replace("{t}", str(inputs)))
