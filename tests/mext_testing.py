@@ -185,3 +185,28 @@ def write_indexed_dataset(prefix, documents) -> None:
     for doc in documents:
         builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
     builder.finalize(str(prefix) + ".idx")
+
+
+def ramp_batch(consumed: int, start: int, incr: int, samples: int, gbs: int) -> int:
+    """The batch after ``consumed`` samples, by the rule of Megatron-LM's --help text.
+
+    (gbs - start) / incr increments spread evenly over ``samples``; past them the full batch.
+    """
+    if consumed > samples:
+        return gbs
+    per_increment = samples / ((gbs - start) // incr)
+    return start + incr * int(consumed / per_increment)
+
+
+def ramp_batches(train_samples: int, start: int, incr: int, samples: int, gbs: int) -> list:
+    """The batch of every iteration of a --train-samples run with the ramp.
+
+    Megatron-LM's count (update_train_iters): ramp iterations while the consumed samples
+    are within the ramp and the training samples, then whole full batches.
+    """
+    batches, consumed = [], 0
+    while consumed <= samples and consumed <= train_samples:
+        batches.append(ramp_batch(consumed, start, incr, samples, gbs))
+        consumed += batches[-1]
+    batches += [gbs] * (max(0, train_samples - consumed) // gbs)
+    return batches

@@ -37,7 +37,9 @@ from megatron_ext.training.signals import shielded_helpers
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Format 1 counted the scheduler in iterations; 2 in samples, as Megatron-LM.
+_ITERATION_SCHEDULER_FORMAT = 1
 _SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -338,10 +340,13 @@ def check_model(common: dict, cfg, padded_vocab: int, path: str) -> None:
 
 # The schedule values megatron-core's OptimizerParamScheduler checks at load, with the
 # flags that set them.
-_SCHEDULE = (("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters"),
-             ("lr_decay_steps", "--lr-decay-iters/--train-iters"),
+# Lengths are in samples (iterations x global batch with the iteration flags).
+_SCHEDULE = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
+             ("lr_warmup_steps", "--lr-warmup-iters/samples/fraction, in samples"),
+             ("lr_decay_steps", "--lr-decay-iters/samples or the training length, in samples"),
              ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
-             ("end_wd", "--weight-decay"), ("wd_incr_steps", "--train-iters"),
+             ("end_wd", "--weight-decay"),
+             ("wd_incr_steps", "--train-iters/--train-samples, in samples"),
              ("wd_incr_style", "weight-decay style"))
 
 
@@ -352,6 +357,19 @@ def schedule_differences(saved: dict, scheduler) -> list:
         if key in saved and saved[key] != getattr(scheduler, key, saved[key]):
             out.append(f"{key} ({flag}) {saved[key]} in the checkpoint, {getattr(scheduler, key)} "
                        "from the flags")
+    return out
+
+
+def scheduler_in_samples(saved: dict, global_batch_size: int) -> dict:
+    """A format-1 scheduler state (counted in iterations) counted in samples. Pure.
+
+    Format 1 stepped the scheduler once per iteration of a constant global batch; its
+    step counts and lengths times that batch are what Megatron-LM's scheduler counts.
+    """
+    out = dict(saved)
+    for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+        if key in out:
+            out[key] = out[key] * global_batch_size
     return out
 
 
@@ -404,8 +422,10 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
     if not verified:
         integrity.verify(path, runtime.host_group)
     common = _read_common(path)
-    if common.get("checkpoint_version") != FORMAT_VERSION:
-        raise UsageError(f"--load {path}: not a megatron_ext checkpoint of format {FORMAT_VERSION}")
+    version = common.get("checkpoint_version")
+    if version not in (FORMAT_VERSION, _ITERATION_SCHEDULER_FORMAT):
+        raise UsageError(f"--load {path}: checkpoint format {version!r} is not one this version "
+                         f"reads ({_ITERATION_SCHEDULER_FORMAT} or {FORMAT_VERSION})")
     # A weights-only checkpoint (tools/convert_checkpoint.py --from hf) has no optimizer,
     # scheduler or data position to resume.
     weights_only = bool(common.get("weights_only"))
@@ -448,7 +468,10 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
     if with_optimizer:
         # As Megatron-LM: the schedule is loaded with the optimizer (not with
         # --no-load-optim, which starts both fresh).
-        _load_scheduler(scheduler, loaded["opt_param_scheduler"], ck, path)
+        saved = loaded["opt_param_scheduler"]
+        if version == _ITERATION_SCHEDULER_FORMAT:
+            saved = scheduler_in_samples(saved, common["config"]["training"]["global_batch_size"])
+        _load_scheduler(scheduler, saved, ck, path)
     rng_file = os.path.join(path, "rng", f"rank_{runtime.rank:05d}.pt")
     if ck.load_rng:
         if os.path.isfile(rng_file) and loaded.get("world_size") == runtime.world_size:
