@@ -90,21 +90,22 @@ def test_env(extra: Optional[dict] = None) -> dict:
 
 
 def launch(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
-           **popen_kwargs) -> subprocess.Popen:
-    """Starts pretrain_gpt.py (through torchrun when nproc > 1)."""
+           script: str = PRETRAIN, **popen_kwargs) -> subprocess.Popen:
+    """Starts pretrain_gpt.py, or another ``script``, (through torchrun when nproc > 1)."""
     if nproc == 1:
-        cmd = [sys.executable, PRETRAIN, *args]
+        cmd = [sys.executable, script, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), PRETRAIN, *args]
+               "--master-port", str(free_port()), script, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=test_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen_kwargs)
 
 
 def run_pretrain(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
-                 timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = launch(args, nproc=nproc, env=env)
+                 timeout: int = 300, check: bool = True,
+                 script: str = PRETRAIN) -> subprocess.CompletedProcess:
+    proc = launch(args, nproc=nproc, env=env, script=script)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -483,6 +483,9 @@ class Trainer:
                 self.state.iteration = it
                 profiler.after(self.state.iteration)
                 self.state.consumed_train_samples += self.ramp.global_batch_size
+                # The 6N estimate of the metrics (Megatron-LM counts per layer).
+                self.state.num_floating_point_operations_so_far += (
+                    6.0 * self.num_params * self.ramp.global_batch_size * cfg.model.seq_length)
                 samples += self.ramp.global_batch_size
                 if ok:
                     self.state.optimizer_steps += 1
