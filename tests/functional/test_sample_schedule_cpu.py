@@ -112,3 +112,12 @@ def test_ramp_with_pipeline_parallel_resumes_exactly(tmp_path):
     straight = [r for r in straight if "lm_loss" in r]
     assert [r["global_batch_size"] for r in straight] == ramp_batches(64, 2, 2, 20, GBS)
     assert [r["lm_loss"] for r in resumed if "lm_loss" in r] == [r["lm_loss"] for r in straight]
+
+
+def test_ramp_with_zenflow_is_the_plain_run(tmp_path, ramp_run):
+    """ZenFlow with every column on the GPU side and one-step windows is plain Adam: the
+    ramp's growing batches reach it as they reach the plain optimizer."""
+    metrics = tmp_path / "m.jsonl"
+    run_pretrain([*BASE, *RAMP, "--zenflow", "--zenflow-topk-ratio", "1.0",
+                  "--zenflow-update-interval", "1", "--metrics-path", str(metrics)])
+    assert [r["lm_loss"] for r in _train_records(metrics)] == [r["lm_loss"] for r in ramp_run]
