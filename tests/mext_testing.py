@@ -90,21 +90,22 @@ def test_env(extra: Optional[dict] = None) -> dict:
 
 
 def launch(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
-           **popen_kwargs) -> subprocess.Popen:
-    """Starts pretrain_gpt.py (through torchrun when nproc > 1)."""
+           script: str = PRETRAIN, **popen_kwargs) -> subprocess.Popen:
+    """Starts pretrain_gpt.py, or another ``script``, (through torchrun when nproc > 1)."""
     if nproc == 1:
-        cmd = [sys.executable, PRETRAIN, *args]
+        cmd = [sys.executable, script, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), PRETRAIN, *args]
+               "--master-port", str(free_port()), script, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=test_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen_kwargs)
 
 
 def run_pretrain(args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
-                 timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = launch(args, nproc=nproc, env=env)
+                 timeout: int = 300, check: bool = True,
+                 script: str = PRETRAIN) -> subprocess.CompletedProcess:
+    proc = launch(args, nproc=nproc, env=env, script=script)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -199,3 +200,28 @@ def assert_one_error_line(status, stdout: str, stderr: str, expected: str) -> No
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert expected in lines[0], f"{expected!r} not in {lines[0]!r}"
+
+
+def ramp_batch(consumed: int, start: int, incr: int, samples: int, gbs: int) -> int:
+    """The batch after ``consumed`` samples, by the rule of Megatron-LM's --help text.
+
+    (gbs - start) / incr increments spread evenly over ``samples``; past them the full batch.
+    """
+    if consumed > samples:
+        return gbs
+    per_increment = samples / ((gbs - start) // incr)
+    return start + incr * int(consumed / per_increment)
+
+
+def ramp_batches(train_samples: int, start: int, incr: int, samples: int, gbs: int) -> list:
+    """The batch of every iteration of a --train-samples run with the ramp.
+
+    Megatron-LM's count (update_train_iters): ramp iterations while the consumed samples
+    are within the ramp and the training samples, then whole full batches.
+    """
+    batches, consumed = [], 0
+    while consumed <= samples and consumed <= train_samples:
+        batches.append(ramp_batch(consumed, start, incr, samples, gbs))
+        consumed += batches[-1]
+    batches += [gbs] * (max(0, train_samples - consumed) // gbs)
+    return batches

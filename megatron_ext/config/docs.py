@@ -28,6 +28,8 @@ def flags_markdown() -> str:
                 flag += " {" + ",".join(str(c) for c in action.choices) + "}"
             elif action.nargs == 0:
                 pass
+            elif isinstance(action.metavar, tuple):
+                flag += " " + " ".join(action.metavar)
             elif action.metavar:
                 flag += f" {action.metavar}"
             default = "" if action.default in (None, False, []) else f"`{action.default}`"

@@ -90,6 +90,8 @@ MEGATRON_LM = {
 --manual-gc-interval --no-manual-gc-eval --calculate-per-token-loss --seed --bf16 --fp16
 --loss-scale --initial-loss-scale --eval-interval --eval-iters --log-interval --optimizer --lr
 --min-lr --lr-decay-style --lr-warmup-iters --lr-decay-iters --decoupled-lr --decoupled-min-lr
+--train-samples --rampup-batch-size --lr-warmup-samples --lr-decay-samples --lr-warmup-fraction
+--lr-warmup-init --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples
 --weight-decay --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum --clip-grad
 --optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
 --data-path --split --mock-data --tokenizer-model --vocab-size --eod-mask-loss --num-workers

@@ -17,6 +17,7 @@ from megatron_ext.config.sections import (
 from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
+from megatron_ext.training.batch_schedule import check_rampup, train_iters_from_samples
 from megatron_ext.zenflow.config import ZenFlowConfig
 
 
@@ -37,6 +38,37 @@ class RunConfig:
 
     def __post_init__(self):
         self._check_flags()
+        self._check_schedule_flags()
+
+    def _check_schedule_flags(self) -> None:
+        """Iteration-based and sample-based flags do not mix (Megatron-LM asserts it)."""
+        train, opt = self.training, self.optimizer
+        if train.train_samples is None:
+            unit, other = "--train-iters", {
+                "--lr-warmup-samples": opt.lr_warmup_samples or None,
+                "--lr-decay-samples": opt.lr_decay_samples,
+                "--lr-wsd-decay-samples": opt.lr_wsd_decay_samples}
+            warmup, wsd = ("--lr-warmup-iters", opt.lr_warmup_iters), opt.lr_wsd_decay_iters
+            wsd_flag = "--lr-wsd-decay-iters"
+        else:
+            unit, other = "--train-samples", {
+                "--lr-warmup-iters": opt.lr_warmup_iters or None,
+                "--lr-decay-iters": opt.lr_decay_iters,
+                "--lr-wsd-decay-iters": opt.lr_wsd_decay_iters}
+            warmup, wsd = ("--lr-warmup-samples", opt.lr_warmup_samples), opt.lr_wsd_decay_samples
+            wsd_flag = "--lr-wsd-decay-samples"
+        mixed = [flag for flag, value in other.items() if value is not None]
+        if mixed and (train.train_iters is not None or train.train_samples is not None):
+            counted = "samples" if unit == "--train-samples" else "iterations"
+            raise UsageError(f"{mixed[0]} does not go with {unit}: a run counts its schedule in "
+                             f"{counted} only (as Megatron-LM); give the {counted[:-1]}-based "
+                             "flag instead")
+        if opt.lr_warmup_fraction is not None and warmup[1]:
+            raise UsageError(f"--lr-warmup-fraction and {warmup[0]} both set the warm-up; give "
+                             "one of them (as Megatron-LM)")
+        if opt.lr_decay_style == "WSD" and wsd is None and not train.skip_train:
+            raise UsageError(f"--lr-decay-style WSD needs the length of its annealing phase: "
+                             f"give {wsd_flag} N (as Megatron-LM)")
 
     def _check_flags(self) -> None:
         """Checks of flag combinations that need no knowledge of the machine."""
@@ -163,6 +195,13 @@ class RunConfig:
                 f"--pipeline-model-parallel-size {pp}; --global-batch-size "
                 f"{train.global_batch_size} / (--micro-batch-size {train.micro_batch_size} x "
                 f"data-parallel size {dp}) gives {micro_batches}")
+        if train.rampup_batch_size is not None:
+            check_rampup(train.rampup_batch_size, train.global_batch_size, per_step,
+                         pp if vpp is not None else None)
+        if train.train_samples is not None:
+            # Megatron-LM's update_train_iters: the iterations the samples (and the ramp) give.
+            train.train_iters = train_iters_from_samples(
+                train.train_samples, train.global_batch_size, train.rampup_batch_size)
         return dp
 
     def virtual_pipeline_size(self):

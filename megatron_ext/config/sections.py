@@ -280,7 +280,19 @@ class TrainingConfig:
     """Samples per iteration over all data-parallel ranks; a multiple of micro batch x DP
     (the quotient is the number of micro-batches accumulated). Default: micro batch x DP."""
     train_iters: Optional[int] = None
-    """Number of iterations to train for; the training length is required, as Megatron-LM."""
+    """Number of iterations to train for. The training length is required, as Megatron-LM:
+    this or --train-samples."""
+    train_samples: Optional[int] = None
+    """Number of samples to train for, instead of --train-iters (Megatron-LM's sample-based
+    training): the iterations are --train-samples / --global-batch-size (rounded down), or
+    as the --rampup-batch-size ramp consumes them; the learning-rate flags are then the
+    sample-based ones (--lr-warmup-samples, --lr-decay-samples, --lr-wsd-decay-samples)."""
+    rampup_batch_size: Optional[List[int]] = option(None, nargs=3,
+                                                    metavar=("START", "INCR", "SAMPLES"))
+    """Ramp the global batch size up (needs --train-samples, as Megatron-LM): start at START
+    samples, grow by INCR up to --global-batch-size, spreading the (global - START) / INCR
+    increments evenly over the first SAMPLES samples. START and INCR must be multiples of
+    micro batch x DP."""
     exit_interval: Optional[int] = None
     """Save (when --save is given) and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: Optional[int] = None
@@ -328,10 +340,22 @@ class TrainingConfig:
 
     def __post_init__(self):
         _required(("--micro-batch-size", self.micro_batch_size))
-        if (self.train_iters is None and getattr(self, "train_samples", None) is None
-                and not self.skip_train):
-            raise UsageError("the training length is required: give --train-iters N "
-                             "(Megatron-LM has no default for it either)")
+        if self.train_iters is None and self.train_samples is None and not self.skip_train:
+            raise UsageError("the training length is required: give --train-iters N or "
+                             "--train-samples N (Megatron-LM has no default for it either)")
+        if self.train_iters is not None and self.train_samples is not None:
+            raise UsageError("--train-iters and --train-samples both give the training length; "
+                             "give one of them (as Megatron-LM)")
+        if self.train_samples is not None and self.train_samples < 0:
+            raise UsageError(f"--train-samples must be >= 0, got {self.train_samples}")
+        if self.rampup_batch_size is not None:
+            if self.train_samples is None:
+                raise UsageError("--rampup-batch-size needs sample-based training: give "
+                                 "--train-samples instead of --train-iters (as Megatron-LM)")
+            start, incr, samples = self.rampup_batch_size
+            if start <= 0 or incr <= 0 or samples <= 0:
+                raise UsageError(f"--rampup-batch-size {start} {incr} {samples}: the start batch "
+                                 "size, the increment and the ramp's samples must be positive")
         if self.manual_gc_interval < 0:
             raise UsageError("--manual-gc-interval must be >= 0")
         _positive(self, "micro_batch_size", "global_batch_size", "exit_interval",
@@ -362,9 +386,28 @@ class OptimizerConfig:
                                                     "inverse-square-root", "WSD"))
     """Shape of the learning-rate decay after warm-up."""
     lr_warmup_iters: int = 0
-    """Iterations of linear learning-rate warm-up from 0."""
+    """Iterations of linear learning-rate warm-up from --lr-warmup-init (with --train-iters)."""
+    lr_warmup_samples: int = 0
+    """Samples of linear learning-rate warm-up (with --train-samples)."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warm up over this fraction of the decay length (instead of --lr-warmup-iters or
+    --lr-warmup-samples)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate the warm-up starts from."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the learning rate decays (default: --train-iters)."""
+    lr_decay_samples: Optional[int] = None
+    """Samples over which the learning rate decays, with --train-samples (default:
+    --train-samples)."""
+    lr_wsd_decay_style: str = option("exponential", choices=("exponential", "linear", "cosine",
+                                                             "minus_sqrt"))
+    """Shape of the annealing phase of --lr-decay-style WSD."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of the annealing phase of --lr-decay-style WSD (with --train-iters; WSD
+    needs it, as Megatron-LM)."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Samples of the annealing phase of --lr-decay-style WSD (with --train-samples; WSD
+    needs it, as Megatron-LM)."""
     decoupled_lr: Optional[float] = None
     """Peak learning rate of the input embedding and the output layer (their own schedule
     of the same shape; megatron-core's decoupled_lr)."""
@@ -410,7 +453,16 @@ class OptimizerConfig:
 
     def __post_init__(self):
         _required(("--lr", self.lr))
-        _positive(self, "lr", "adam_eps", "lr_decay_iters", "decoupled_lr")
+        _positive(self, "lr", "adam_eps", "lr_decay_iters", "decoupled_lr", "lr_decay_samples",
+                  "lr_wsd_decay_iters", "lr_wsd_decay_samples")
+        if self.lr_warmup_samples < 0:
+            raise UsageError("--lr-warmup-samples must be >= 0")
+        if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
+            raise UsageError(f"--lr-warmup-fraction must be in [0, 1), got "
+                             f"{self.lr_warmup_fraction}")
+        if not 0.0 <= self.lr_warmup_init <= self.lr:
+            raise UsageError(f"--lr-warmup-init {self.lr_warmup_init} must be in [0, --lr "
+                             f"{self.lr}]")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
             raise UsageError("--decoupled-min-lr needs --decoupled-lr")
         if self.decoupled_min_lr is not None and not 0 <= self.decoupled_min_lr <= \

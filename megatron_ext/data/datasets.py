@@ -12,6 +12,7 @@ import torch
 
 from megatron_ext.config import parse_data_path
 from megatron_ext.errors import UsageError
+from megatron_ext.training.batch_schedule import train_samples_total
 from megatron_ext.training.signals import SHIELDED
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -198,7 +199,7 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
     eval_samples = cfg.training.eval_iters * gbs
     iters = cfg.training.train_iters
     trains = not cfg.training.skip_train and (iters is None or iters > 0)
-    sizes = [cfg.training.train_iters * gbs if trains else 0, eval_samples, eval_samples]
+    sizes = [train_samples_total(cfg.training) if trains else 0, eval_samples, eval_samples]
     cls = MockGPTDataset if data.mock_data else GPTDataset
     config = _dataset_config(cfg, tokenizer, runtime.dp)
     try:

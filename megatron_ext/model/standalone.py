@@ -119,6 +119,9 @@ def run_config(common: dict, *, device: str = "cpu", fp32: bool = True, data: Op
     saved = saved_sections(common)
     # Values a checkpoint without a training section (a converted one) still needs.
     train = {"micro_batch_size": 1, "train_iters": 1, **saved.get("training", {})}
+    if train.get("train_samples") is not None:
+        # A --train-samples run records the iterations it derived too; the flags give one.
+        train["train_iters"] = None
     if fp32:
         train.update(bf16=False, fp16=False)
     train.update(training or {})

@@ -2,14 +2,25 @@
 
 Layout under --save::
 
-    iter_0000010/                       one checkpoint (dist_checkpointing + rng/)
+    iter_0000010/                       one checkpoint (dist_checkpointing, torch_dist)
     latest_checkpointed_iteration.txt   the 'latest' pointer (Megatron-LM's name)
 
 A checkpoint is written to ``iter_N.tmp``, then renamed, then the pointer is replaced
 (write, fsync, rename), so a crash at any moment leaves the previous checkpoint and a
-pointer to it intact. Model and optimizer are saved sharded by megatron-core; the
-iteration, data position, scheduler and optimizer step count as common state; each
-rank's random-number-generator states as ``rng/rank_NNNNN.pt``.
+pointer to it intact.
+
+The state is Megatron-LM's (format 3.0, as its ``generate_state_dict`` writes it with
+``--ckpt-format torch_dist``), so each side loads the other's at the same parallel layout:
+the model (``model`` or ``model0``, ``model1``, ... per chunk) and ``optimizer`` sharded,
+with the content metadata Megatron-LM writes (``distrib_optim_sharding_type``,
+``singleton_local_shards``, ``chained_optim_avoid_prefix``); the common keys ``args``
+(Megatron-LM's Namespace, :mod:`.megatron_args`), ``checkpoint_version`` 3.0,
+``iteration``, ``opt_param_scheduler`` (counted in samples),
+``num_floating_point_operations_so_far``; ``rng_state`` a ShardedObject per (PP, TP) rank.
+This project's extras ride along as common keys (``config``, ``train_state``,
+``world_size``, ``padded_vocab_size``), the offload engine's files beside. Format 1 (this
+project's earlier one: rng states in ``rng/rank_NNNNN.pt``, the scheduler in iterations)
+still loads.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import numpy as np
 import torch
 
 from megatron_ext.errors import UsageError
-from megatron_ext.training import checkpoint_args, integrity
+from megatron_ext.training import checkpoint_args, integrity, megatron_args
 from megatron_ext.training.optimizer import (
     inner_torch_optimizers,
     load_external_state,
@@ -37,8 +48,10 @@ from megatron_ext.training.signals import shielded_helpers
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
-_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Megatron-LM's checkpoint_version (its generate_state_dict writes 3.0).
+FORMAT_VERSION = 3.0
+# This project's earlier format: rng/ files, the scheduler counted in iterations.
+LEGACY_FORMAT = 1
 
 
 @dataclasses.dataclass
@@ -49,6 +62,7 @@ class TrainState:
     consumed_train_samples: int = 0
     optimizer_steps: int = 0
     skipped_iterations: int = 0
+    num_floating_point_operations_so_far: float = 0.0
 
 
 def checkpoint_name(root: str, iteration: int) -> str:
@@ -91,28 +105,67 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _rng_state(runtime) -> dict:
+    """The random states of this process under Megatron-LM's names (its get_rng_state)."""
     from megatron.core import tensor_parallel
 
     state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
     }
     if not runtime.is_cpu:
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
+
+
+# Format 1's names of the same states.
+_LEGACY_RNG_KEYS = {"random": "random_rng_state", "numpy": "np_rng_state",
+                    "torch": "torch_rng_state", "cuda": "cuda_rng_state",
+                    "tracker": "rng_tracker_states"}
 
 
 def _set_rng_state(state: dict, runtime) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if not runtime.is_cpu and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    state = {_LEGACY_RNG_KEYS.get(k, k): v for k, v in state.items()}
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if not runtime.is_cpu and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _rng_sharded_object(runtime):
+    """Megatron-LM's ``rng_state``: one object per (PP, TP) rank, DP ranks its replicas."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", [_rng_state(runtime)], (runtime.pp, runtime.tp),
+                         (runtime.pp_rank, runtime.tp_rank), replica_id=runtime.dp_rank)
+
+
+def sharded_metadata(cfg) -> dict:
+    """The sharded_state_dict metadata Megatron-LM builds for a save, without the group.
+
+    (Megatron-LM's ``_build_sharded_state_dict_metadata`` at core_v0.16.1, for
+    --ckpt-format torch_dist without --dist-ckpt-optim-fully-reshardable.)
+    """
+    metadata = {}
+    if cfg.parallel.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    metadata["singleton_local_shards"] = False
+    metadata["chained_optim_avoid_prefix"] = True
+    return metadata
+
+
+def _with_group(metadata: Optional[dict]) -> dict:
+    """The metadata as the model and optimizer take it: with the DP group (not saved)."""
+    from megatron.core import parallel_state
+
+    out = dict(metadata or {})
+    out["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return out
 
 
 def _unwrap(module):
@@ -129,8 +182,10 @@ def _model_keys(model_chunks) -> list:
     return [f"model{i}" for i in range(len(model_chunks))]
 
 
-def _sharded_state(model_chunks, optimizer, is_loading: bool, with_optimizer: bool) -> dict:
-    state = {key: _unwrap(chunk).sharded_state_dict()
+def _sharded_state(model_chunks, optimizer, is_loading: bool, with_optimizer: bool,
+                   metadata: dict) -> dict:
+    metadata = _with_group(metadata)
+    state = {key: _unwrap(chunk).sharded_state_dict(metadata=metadata)
              for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
     # The optimizer finds each parameter's sharded tensor among all the chunks'.
     model_sd = state["model"] if len(model_chunks) == 1 else dict(state)
@@ -138,7 +193,7 @@ def _sharded_state(model_chunks, optimizer, is_loading: bool, with_optimizer: bo
         if is_loading:
             _materialize_optimizer_states(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                          metadata=dict(_SHARDING))
+                                                          metadata=metadata)
     return state
 
 
@@ -196,20 +251,35 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     torch.distributed.barrier()
-    state = _sharded_state(model_chunks, optimizer, is_loading=False, with_optimizer=True)
+    metadata = sharded_metadata(cfg)
+    state = _sharded_state(model_chunks, optimizer, is_loading=False, with_optimizer=True,
+                           metadata=metadata)
+    padded_vocab = _unwrap(model_chunks[0]).vocab_size
     state.update({
+        # Megatron-LM's common state (generate_state_dict, save_checkpoint).
+        "args": megatron_args.megatron_args(
+            cfg, {"world_size": runtime.world_size, "tp": runtime.tp, "pp": runtime.pp,
+                  "dp": runtime.dp},
+            {"iteration": train_state.iteration,
+             "consumed_train_samples": train_state.consumed_train_samples,
+             "skipped_train_samples": 0},
+            padded_vocab, cfg.virtual_pipeline_size()),
         "checkpoint_version": FORMAT_VERSION,
-        "train_state": dataclasses.asdict(train_state),
+        "iteration": train_state.iteration,
         "opt_param_scheduler": scheduler.state_dict(),
+        "num_floating_point_operations_so_far": train_state.num_floating_point_operations_so_far,
+        "rng_state": _rng_sharded_object(runtime),
+        # This project's extras.
+        "train_state": dataclasses.asdict(train_state),
         "config": cfg.to_dict(),
         "world_size": runtime.world_size,
         # What --use-checkpoint-args and the settings check read (the tokenizer's vocabulary
         # padded as the model has it).
-        "padded_vocab_size": _unwrap(model_chunks[0]).vocab_size,
+        "padded_vocab_size": padded_vocab,
     })
     try:
         with shielded_helpers():
-            _save_files(state, tmp, optimizer, runtime, train_state.iteration)
+            _save_files(state, tmp, optimizer, metadata, train_state.iteration)
         # Last, once every rank's files are complete: the checksum of each.
         integrity.write_manifest(tmp, runtime.host_group)
         torch.distributed.barrier()
@@ -233,7 +303,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
     return final
 
 
-def _save_files(state: dict, tmp: str, optimizer, runtime, iteration: int) -> None:
+def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int) -> None:
     """Writes this rank's files of a checkpoint into ``tmp``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -245,10 +315,8 @@ def _save_files(state: dict, tmp: str, optimizer, runtime, iteration: int) -> No
     # less for the first save.
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(state, tmp, content_metadata=dict(_SHARDING))
+    dist_checkpointing.save(state, tmp, content_metadata=dict(metadata))
     save_external_state(optimizer, tmp)
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(runtime), os.path.join(tmp, "rng", f"rank_{runtime.rank:05d}.pt"))
     integrity.Faults().check_save(iteration)
     torch.distributed.barrier()
 
@@ -338,10 +406,13 @@ def check_model(common: dict, cfg, padded_vocab: int, path: str) -> None:
 
 # The schedule values megatron-core's OptimizerParamScheduler checks at load, with the
 # flags that set them.
-_SCHEDULE = (("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters"),
-             ("lr_decay_steps", "--lr-decay-iters/--train-iters"),
+# Lengths are in samples (iterations x global batch with the iteration flags).
+_SCHEDULE = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
+             ("lr_warmup_steps", "--lr-warmup-iters/samples/fraction, in samples"),
+             ("lr_decay_steps", "--lr-decay-iters/samples or the training length, in samples"),
              ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
-             ("end_wd", "--weight-decay"), ("wd_incr_steps", "--train-iters"),
+             ("end_wd", "--weight-decay"),
+             ("wd_incr_steps", "--train-iters/--train-samples, in samples"),
              ("wd_incr_style", "weight-decay style"))
 
 
@@ -352,6 +423,19 @@ def schedule_differences(saved: dict, scheduler) -> list:
         if key in saved and saved[key] != getattr(scheduler, key, saved[key]):
             out.append(f"{key} ({flag}) {saved[key]} in the checkpoint, {getattr(scheduler, key)} "
                        "from the flags")
+    return out
+
+
+def scheduler_in_samples(saved: dict, global_batch_size: int) -> dict:
+    """A format-1 scheduler state (counted in iterations) counted in samples. Pure.
+
+    Format 1 stepped the scheduler once per iteration of a constant global batch; its
+    step counts and lengths times that batch are what Megatron-LM's scheduler counts.
+    """
+    out = dict(saved)
+    for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+        if key in out:
+            out[key] = out[key] * global_batch_size
     return out
 
 
@@ -381,9 +465,64 @@ def _optimizer_kind(config: dict) -> str:
     return "the plain optimizer"
 
 
+def _same_layout(common: dict, legacy: bool, runtime) -> bool:
+    """Whether the checkpoint's rng states belong to this layout (else they are not loaded).
+
+    Format 1 kept one file per rank (the same world size); Megatron-LM's keeps one per
+    (PP, TP) rank and ignores them at another TP/PP, as here.
+    """
+    if legacy:
+        return common.get("world_size") == runtime.world_size
+    return megatron_args.layout_of(common) in (None, (runtime.tp, runtime.pp))
+
+
+def _load_sharded(state: dict, path: str, strict: str) -> dict:
+    """dist_checkpointing.load with every pickled object read weights_only.
+
+    Raises:
+        UsageError: a pickled object outside the allowed types or a damaged one, or a
+            checkpoint that does not fit the model.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        with integrity.weights_only_sharded_objects(path):
+            return dist_checkpointing.load(state, path, strict=strict)
+    except CheckpointingException as err:
+        # The settings check names what differs when the checkpoint records its settings;
+        # this is for those that do not.
+        text = str(err).strip().splitlines()[0][:240] if str(err).strip() else ""
+        raise UsageError(f"--load {path}: the checkpoint does not fit this model ({text}); "
+                         "give the checkpoint's model settings, or --use-checkpoint-args"
+                         ) from None
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is one
+        usage = integrity.usage_error_behind(err)
+        if usage is None:
+            raise
+        raise usage from None
+
+
+def _loaded_step(optimizer) -> Optional[int]:
+    """The Adam step count a loaded Megatron-LM optimizer state holds, if any.
+
+    megatron-core keeps it in each param group's ``step`` (as Megatron-LM's fused Adam
+    counts); torch's AdamW counts per parameter, which the load does not restore.
+    """
+    for torch_opt in inner_torch_optimizers(optimizer):
+        for group in torch_opt.param_groups:
+            if "step" in group:
+                return int(group["step"])
+    return None
+
+
 def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
                     verified: bool = False) -> TrainState:
     """Loads the checkpoint at ``path`` into model, optimizer and scheduler.
+
+    Reads this project's checkpoints (format 3.0, and format 1) and Megatron-LM's (3.0,
+    torch_dist): a Megatron-LM checkpoint's progress comes from its ``iteration`` and
+    ``args``, as Megatron-LM's load_checkpoint takes it.
 
     Args:
         path: the checkpoint directory.
@@ -398,46 +537,60 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
         the restored TrainState (zeroed with --finetune).
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     ck = cfg.checkpoint
     if not verified:
         integrity.verify(path, runtime.host_group)
     common = _read_common(path)
-    if common.get("checkpoint_version") != FORMAT_VERSION:
-        raise UsageError(f"--load {path}: not a megatron_ext checkpoint of format {FORMAT_VERSION}")
+    version = common.get("checkpoint_version")
+    if version not in (FORMAT_VERSION, LEGACY_FORMAT):
+        raise UsageError(f"--load {path}: checkpoint_version {version!r} is not one this version "
+                         f"reads ({FORMAT_VERSION}: Megatron-LM's and this project's torch_dist "
+                         f"checkpoints; {LEGACY_FORMAT}: this project's earlier format)")
+    legacy = version == LEGACY_FORMAT
     # A weights-only checkpoint (tools/convert_checkpoint.py --from hf) has no optimizer,
     # scheduler or data position to resume.
     weights_only = bool(common.get("weights_only"))
     if weights_only and not ck.finetune and not cfg.training.skip_train:
         raise UsageError(f"--load {path}: this checkpoint holds model weights only (converted "
                          "from Hugging Face); add --finetune to train from it")
-    with_optimizer = ck.load_optim and not ck.finetune and not weights_only
+    args = common.get("args")
+    saved_optim = not getattr(args, "no_save_optim", False)
+    with_optimizer = ck.load_optim and not ck.finetune and not weights_only and saved_optim
+    if ck.load_optim and not ck.finetune and not weights_only and not saved_optim:
+        raise UsageError(f"--load {path}: the checkpoint holds no optimizer state (saved with "
+                         "--no-save-optim); add --no-load-optim or --finetune")
     if with_optimizer:
         saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg.to_dict())
         if saved != now:
             raise UsageError(f"--load {path}: its optimizer state was saved by {saved} and this "
                              f"run uses {now}; add --finetune (model weights only) or "
                              "--no-load-optim (weights and iteration) to start a fresh optimizer")
-    state = _sharded_state(model_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer)
-    try:
-        loaded = dist_checkpointing.load(state, path,
-                                         strict=cfg.checkpoint.dist_ckpt_strictness)
-    except CheckpointingException as err:
-        # The settings check names what differs when the checkpoint records its settings;
-        # this is for those that do not.
-        text = str(err).strip().splitlines()[0][:240] if str(err).strip() else ""
-        raise UsageError(f"--load {path}: the checkpoint does not fit this model ({text}); "
-                         "give the checkpoint's model settings, or --use-checkpoint-args"
-                         ) from None
+    # The metadata the checkpoint was written with decides the optimizer's keys (as
+    # Megatron-LM's load_checkpoint reads it back).
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    state = _sharded_state(model_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer,
+                           metadata=metadata)
+    rng_here = (ck.load_rng and not ck.finetune and not weights_only
+                and _same_layout(common, legacy, runtime))
+    sharded_rng = rng_here and not legacy and not getattr(args, "no_save_rng", False)
+    if sharded_rng:
+        state["rng_state"] = _rng_sharded_object(runtime)
+    loaded = _load_sharded(state, path, cfg.checkpoint.dist_ckpt_strictness)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         _unwrap(chunk).load_state_dict(loaded[key])
-    train_state = TrainState(**loaded["train_state"])
+    train_state = TrainState(**(loaded["train_state"] if "train_state" in loaded
+                                else megatron_args.train_state_of(loaded)))
     if with_optimizer:
         # fp32 masters can be views of the model's leaf parameters: copy without autograd.
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
         load_external_state(optimizer, path)
+        if "train_state" not in loaded:
+            # Megatron-LM's checkpoint keeps the step count in the optimizer's param
+            # groups; without it, one step per iteration (steps are skipped only on fp16
+            # overflow).
+            train_state.optimizer_steps = _loaded_step(optimizer) or train_state.iteration
         _fix_step_counts(optimizer, train_state.optimizer_steps)
     else:
         # The fp32 masters were built from the initial weights: rebuild them from the
@@ -448,13 +601,16 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
     if with_optimizer:
         # As Megatron-LM: the schedule is loaded with the optimizer (not with
         # --no-load-optim, which starts both fresh).
-        _load_scheduler(scheduler, loaded["opt_param_scheduler"], ck, path)
-    rng_file = os.path.join(path, "rng", f"rank_{runtime.rank:05d}.pt")
-    if ck.load_rng:
-        if os.path.isfile(rng_file) and loaded.get("world_size") == runtime.world_size:
-            _set_rng_state(integrity.safe_load(rng_file, "random-number-generator state"),
-                           runtime)
-        elif runtime.rank == 0:
-            log.warning("checkpoint was saved at world size %s: random states not restored",
-                        loaded.get("world_size"))
+        saved = loaded["opt_param_scheduler"]
+        if legacy:
+            saved = scheduler_in_samples(saved, common["config"]["training"]["global_batch_size"])
+        _load_scheduler(scheduler, saved, ck, path)
+    if sharded_rng:
+        _set_rng_state(loaded["rng_state"][0], runtime)
+    elif rng_here and legacy and os.path.isfile(
+            rng_file := os.path.join(path, "rng", f"rank_{runtime.rank:05d}.pt")):
+        _set_rng_state(integrity.safe_load(rng_file, "random-number-generator state"), runtime)
+    elif ck.load_rng and runtime.rank == 0 and not ck.finetune:
+        log.warning("checkpoint was saved at another parallel layout (or without rng states): "
+                    "random states not restored")
     return train_state

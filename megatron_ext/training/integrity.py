@@ -20,6 +20,7 @@ The pure logic (:func:`compare`, :func:`check_offload_manifest`) is apart from t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -93,7 +94,8 @@ def storage_error(exc: BaseException, directory: Optional[str] = None) -> Option
     return why
 
 
-def _storage_error(exc: BaseException) -> Optional[str]:
+def _causes(exc: BaseException):
+    """``exc`` and every exception behind it (causes, contexts, each rank's failure)."""
     seen = set()
     pending = [exc]
     while pending:
@@ -104,18 +106,28 @@ def _storage_error(exc: BaseException) -> Optional[str]:
         if isinstance(exc, tuple):  # torch.distributed.checkpoint's (exception, traceback)
             pending.extend(e for e in exc if isinstance(e, BaseException))
             continue
-        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
-            where = f" ({exc.filename})" if exc.filename else ""
-            return f"{os.strerror(exc.errno)}{where}"
-        match = _STORAGE_TEXT.search(str(exc))
-        if match:
-            return match.group(0)
+        yield exc
         # torch.distributed.checkpoint's CheckpointException keeps each rank's failure.
         failures = getattr(exc, "failures", None)
         if isinstance(failures, dict):
             pending.extend(failures.values())
         pending.extend([exc.__cause__, exc.__context__])
+
+
+def _storage_error(exc: BaseException) -> Optional[str]:
+    for cause in _causes(exc):
+        if isinstance(cause, OSError) and cause.errno in STORAGE_ERRNOS:
+            where = f" ({cause.filename})" if cause.filename else ""
+            return f"{os.strerror(cause.errno)}{where}"
+        match = _STORAGE_TEXT.search(str(cause))
+        if match:
+            return match.group(0)
     return None
+
+
+def usage_error_behind(exc: BaseException) -> Optional[UsageError]:
+    """The UsageError that ``exc`` wraps (a rank's failure inside torch's checkpoint load)."""
+    return next((c for c in _causes(exc) if isinstance(c, UsageError)), None)
 
 
 def file_digest(path: str) -> Tuple[int, str]:
@@ -414,6 +426,32 @@ def _numpy_safe_globals() -> list:
     return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+def _safe_torch_load(source, where: str, what: str):
+    """torch.load of ``source`` (a path or a file object) with weights_only=True."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        text = " ".join(str(err).split())
+        # torch names the refused global ("unsupported GLOBAL posix.system ..."); any other
+        # unpickling failure is bytes that are no pickle at all.
+        found = re.search(r"[^.]*GLOBAL[^.]*(\.[^. ][^.]*)*", text)
+        if found is None:
+            detail = re.search(r"WeightsUnpickler error: ([^.]*)", text)
+            raise UsageError(f"{where}: the {what} cannot be read (not a torch pickle: "
+                             f"{detail.group(1).strip() if detail else text[:120]}); the "
+                             "checkpoint is damaged") from None
+        raise UsageError(f"{where}: the {what} holds objects outside the allowed types, which "
+                         f"could run code when loaded; refusing it ({found.group(0).strip()[:200]})"
+                         ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise UsageError(f"{where}: the {what} cannot be read ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:160] if str(err) else 'truncated'}); "
+                         "the checkpoint is damaged") from None
+
+
 def safe_load(path: str, what: str):
     """torch.load with weights_only=True (tensors, containers, numpy RNG states only).
 
@@ -421,16 +459,38 @@ def safe_load(path: str, what: str):
         UsageError: the file holds other objects (which could run code when unpickled),
             or it is truncated or not a torch file.
     """
-    import torch
+    return _safe_torch_load(path, path, what)
 
+
+@contextlib.contextmanager
+def weights_only_sharded_objects(directory: str):
+    """Within: dist_checkpointing loads ShardedObjects with weights_only=True.
+
+    ShardedObjects (Megatron-LM's ``rng_state``, the distributed optimizer's per-bucket
+    states) are pickled bytes inside the ``.distcp`` files, and torch.distributed.checkpoint's
+    load planner unpickles them with ``weights_only=False``: a planted object would run code.
+    Here megatron-core's planner reads them as :func:`safe_load` reads a file; one that holds
+    anything else is refused (a UsageError inside torch's CheckpointException: see
+    :func:`usage_error_behind`).
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    def load_bytes(self, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = _safe_torch_load(value, f"{directory} ({fqn})", "checkpointed object")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    had = "load_bytes" in MCoreLoadPlanner.__dict__
+    previous = MCoreLoadPlanner.__dict__.get("load_bytes")
+    MCoreLoadPlanner.load_bytes = load_bytes
     try:
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"{path}: the {what} holds objects outside the allowed types, which "
-                         f"could run code when loaded; refusing it ({first[:200]})") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        raise UsageError(f"{path}: the {what} cannot be read ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:160] if str(err) else 'truncated'}); "
-                         "the checkpoint is damaged") from None
+        yield
+    finally:
+        if had:
+            MCoreLoadPlanner.load_bytes = previous
+        else:
+            del MCoreLoadPlanner.load_bytes

@@ -21,6 +21,7 @@ from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training import integrity
+from megatron_ext.training.batch_schedule import BatchRamp
 from megatron_ext.training.metrics import (
     EtaClock,
     MetricsWriter,
@@ -229,16 +230,22 @@ class Trainer:
             log.info("loaded %s (iteration %d, %d samples consumed)", load_dir,
                      self.state.iteration, self.state.consumed_train_samples)
         self.num_params = num_parameters(cfg, self.vocab_size)
-        self.num_microbatches = cfg.training.global_batch_size // (
+        # Evaluation takes full global batches (Megatron-LM's eval_batch_size); training
+        # the current batch of --rampup-batch-size's ramp.
+        self.eval_microbatches = cfg.training.global_batch_size // (
             cfg.training.micro_batch_size * rt.dp)
+        self.ramp = BatchRamp(cfg.training, rt.rank, rt.dp)
+        self.num_microbatches = self.ramp.update(self.state.consumed_train_samples)
         self.writer = MetricsWriter(cfg, enabled=rt.rank == 0)
         self.tensorboard = TensorBoardWriter(cfg, rt.rank, rt.world_size, rt.is_cpu)
         log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d%s), %.2fM parameters, vocab %d "
-                 "(padded from %d), %d micro-batches per iteration",
+                 "(padded from %d), %d micro-batches per iteration%s",
                  rt.device.type, rt.world_size, rt.tp, rt.pp, rt.dp,
                  f", interleaved: {len(self.model)} model chunks per pipeline rank"
                  if len(self.model) > 1 else "", self.num_params / 1e6,
-                 self.vocab_size, tokenizer.vocab_size, self.num_microbatches)
+                 self.vocab_size, tokenizer.vocab_size, self.num_microbatches,
+                 f" (--rampup-batch-size: growing to {self.eval_microbatches})"
+                 if self.num_microbatches != self.eval_microbatches else "")
 
     def _wire_megatron_hooks(self, finalize_model_grads) -> None:
         """The callbacks megatron-core's schedules expect on the model config."""
@@ -339,7 +346,8 @@ class Trainer:
         if cfg.training.empty_unused_memory_level >= 2:
             _empty_cache(self.runtime)
         if ok:
-            self.scheduler.step(increment=1)
+            # Megatron-LM's scheduler counts samples: this iteration's global batch.
+            self.scheduler.step(increment=self.ramp.global_batch_size)
         return reads, ok, grad_norm, t_fb, t_opt
 
     def evaluate(self) -> float:
@@ -348,7 +356,7 @@ class Trainer:
 
         cfg = self.cfg
         loader = build_loader(self.valid_ds, 0, cfg, self.runtime)
-        if loader is None or len(loader) < cfg.training.eval_iters * self.num_microbatches:
+        if loader is None or len(loader) < cfg.training.eval_iters * self.eval_microbatches:
             return float("nan")
         it = self._data_iterator(lambda: build_loader(self.valid_ds, 0, cfg, self.runtime))
         total = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
@@ -360,7 +368,7 @@ class Trainer:
             for _ in range(cfg.training.eval_iters):
                 losses = get_forward_backward_func()(
                     forward_step_func=functools.partial(_forward_step, self.runtime.device),
-                    data_iterator=it, model=self.model, num_microbatches=self.num_microbatches,
+                    data_iterator=it, model=self.model, num_microbatches=self.eval_microbatches,
                     seq_length=cfg.model.seq_length,
                     micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
                 total += _sum_reports(losses, self.runtime.device)
@@ -380,14 +388,16 @@ class Trainer:
         self.last_saved = self.state.iteration
         log.info("saved checkpoint %s in %.2f s", path, watch.lap())
 
-    def _log(self, reads: dict, iters, t_fb, t_opt, elapsed, grad_norm, skipped) -> None:
+    def _log(self, reads: dict, iters, samples, t_fb, t_opt, elapsed, grad_norm,
+             skipped) -> None:
         cfg, rt = self.cfg, self.runtime
         loss = _mean(reads["loss"])
         scale = reads["loss_scale"]
         timer = lambda name: self.timers(name).elapsed(reset=True) / iters  # noqa: E731
-        gbs = cfg.training.global_batch_size
+        gbs = self.ramp.global_batch_size
         per_iter = elapsed / iters
-        tokens = gbs * cfg.model.seq_length
+        # Tokens per iteration over the interval (the batch changes along a ramp).
+        tokens = samples / iters * cfg.model.seq_length
         record = {
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_train_samples,
@@ -427,7 +437,7 @@ class Trainer:
         self.tensorboard.train(self.state.iteration, self.state.consumed_train_samples, {
             "lm_loss": _mean(reads["step_loss"]),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "global_batch_size": self.cfg.training.global_batch_size,
+            "global_batch_size": self.ramp.global_batch_size,
             "loss_scale": maybe_float(scale.get() if isinstance(scale, ToHost) else scale),
             "grad_norm": maybe_float(grad_norm),
         })
@@ -457,7 +467,7 @@ class Trainer:
         data_iterator = self._data_iterator(lambda: build_loader(self.train_ds, consumed, cfg, rt))
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        iters = skipped = 0
+        iters = skipped = samples = 0
         t_fb = t_opt = 0.0
         window = Stopwatch()
         profiler = Profiler(cfg.logging, rt.rank, rt.is_cpu, cfg.logging.tensorboard_dir)
@@ -467,6 +477,8 @@ class Trainer:
         with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
                 it = self.state.iteration + 1
+                if self._next_batch():
+                    window.lap()
                 profiler.before(it)
                 logs = it % train.log_interval == 0 or it == train.train_iters
                 tb = self.tensorboard.wants(it)
@@ -474,7 +486,11 @@ class Trainer:
                                                                 step_loss=tb)
                 self.state.iteration = it
                 profiler.after(self.state.iteration)
-                self.state.consumed_train_samples += train.global_batch_size
+                self.state.consumed_train_samples += self.ramp.global_batch_size
+                # The 6N estimate of the metrics (Megatron-LM counts per layer).
+                self.state.num_floating_point_operations_so_far += (
+                    6.0 * self.num_params * self.ramp.global_batch_size * cfg.model.seq_length)
+                samples += self.ramp.global_batch_size
                 if ok:
                     self.state.optimizer_steps += 1
                 else:
@@ -486,9 +502,10 @@ class Trainer:
                 t_fb += fb
                 t_opt += opt
                 if logs:
-                    self._log(reads, iters, t_fb, t_opt, window.lap(), grad_norm, skipped)
+                    self._log(reads, iters, samples, t_fb, t_opt, window.lap(), grad_norm,
+                              skipped)
                     interval_loss.zero_()
-                    iters, skipped, t_fb, t_opt = 0, 0, 0.0, 0.0
+                    iters, skipped, samples, t_fb, t_opt = 0, 0, 0, 0.0, 0.0
                 if train.manual_gc and train.manual_gc_interval \
                         and it % train.manual_gc_interval == 0:
                     gc.collect()
@@ -522,6 +539,20 @@ class Trainer:
             self.save()
         return 0
 
+    def _next_batch(self) -> bool:
+        """Sets the next iteration's batch from the ramp; whether a checkpoint was saved.
+
+        As Megatron-LM: when the ramp grows the batch, the iteration before is saved
+        (with --save), so a run can resume at every batch size.
+        """
+        before = self.num_microbatches
+        self.num_microbatches = self.ramp.update(self.state.consumed_train_samples)
+        if (self.num_microbatches != before and self.state.iteration and self.cfg.checkpoint.save
+                and self.last_saved != self.state.iteration):
+            self.save()
+            return True
+        return False
+
     def _duration_reached(self) -> bool:
         """Whether --exit-duration-in-mins has passed on any rank (all agree)."""
         done = torch.tensor([_minutes_since_start() > self.cfg.training.exit_duration_in_mins],
@@ -550,6 +581,7 @@ class Trainer:
     def close(self) -> None:
         """Closes the metrics writers and the optimizer's threads and files."""
         close_optimizer(self.optimizer)
+        self.ramp.close()
         self.writer.close()
         self.tensorboard.close()
 

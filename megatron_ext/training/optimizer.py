@@ -76,26 +76,15 @@ def build_optimizer(cfg, model_chunks, runtime):
 
 
 def build_scheduler(cfg, optimizer):
-    """megatron-core's OptimizerParamScheduler, stepped once per iteration."""
+    """megatron-core's OptimizerParamScheduler, counting samples as Megatron-LM's does.
+
+    The loop steps it by the samples of each iteration (:mod:`.batch_schedule`).
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    opt, train = cfg.optimizer, cfg.training
-    decay_iters = opt.lr_decay_iters or train.train_iters
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=opt.lr,
-        min_lr=opt.min_lr,
-        lr_warmup_steps=opt.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters, opt.lr_warmup_iters + 1),
-        lr_decay_style=opt.lr_decay_style,
-        start_wd=opt.weight_decay,
-        end_wd=opt.weight_decay,
-        wd_incr_steps=train.train_iters,
-        wd_incr_style="constant",
-        wsd_decay_steps=max(1, decay_iters // 10) if opt.lr_decay_style == "WSD" else None,
-        lr_wsd_decay_style="linear" if opt.lr_decay_style == "WSD" else None,
-    )
+    from megatron_ext.training.batch_schedule import scheduler_kwargs
+
+    return OptimizerParamScheduler(optimizer, **scheduler_kwargs(cfg))
 
 
 def _chain(optimizer) -> list:

@@ -63,8 +63,10 @@ def test_longer_schedule_on_resume_needs_a_choice(finished):
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "lr_decay_steps (--lr-decay-iters/--train-iters) 4 in the checkpoint, 6 from the " \
-           "flags" in lines[0] and "--override-opt_param-scheduler" in lines[0]
+    # In samples, as Megatron-LM's scheduler counts: iterations x the global batch of 4.
+    assert "lr_decay_steps (--lr-decay-iters/samples or the training length, in samples) 16 " \
+           "in the checkpoint, 24 from the flags" in lines[0] \
+        and "--override-opt_param-scheduler" in lines[0]
 
 
 @pytest.mark.parametrize("choice", ["--override-opt_param-scheduler",

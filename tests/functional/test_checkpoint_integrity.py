@@ -6,18 +6,23 @@ the checkpoint) saves iterations 2 and 4; every case damages a copy of it.
 - In-process (cheap): :func:`integrity.verify`, which ``pretrain_gpt.py --load`` calls before
   it reads anything, over every file kind x every damage (table below); the offload
   manifests of a checkpoint without an integrity manifest (older format); the manifest
-  itself; the planted pickle in the random-number-generator file (``safe_load``).
+  itself; the planted pickle (``safe_load``); the random-number-generator state (Megatron-LM's
+  ``rng_state`` ShardedObject inside a ``.distcp`` file) reads with weights_only.
 - Real ``pretrain_gpt.py`` processes for the end-to-end behaviour (one ``error:`` line,
   exit status 2, no traceback): a flipped byte in a ``.distcp`` file (which loaded silently
-  before), a planted pickle in a checkpoint without a manifest, a file system that fills
+  before), a planted pickle as the rng state of a checkpoint without a manifest (it does
+  not run), damaged rng bytes there (one line), a file system that fills
   during a save (the fault hook; and a real small tmpfs where this process may mount one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import io
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -78,7 +83,7 @@ FILES = {
     "distcp metadata": ".metadata",
     "common state": "common.pt",
     "metadata.json": "metadata.json",
-    "rng state": "rng/rank_00000.pt",
+    "distcp data of the rng state": "__0_1.distcp",
     "offload state": "offload/rank00000/sg00001.state",
     "offload manifest": "offload/rank00000/manifest.json",
 }
@@ -176,6 +181,36 @@ def _plant_pickle(path, marker):
                    timeout=120)
 
 
+RNG_FQN = "rng_state/shard_0.0_1.1"  # Megatron-LM's rng_state of (PP 0 of 1, TP 0 of 1)
+
+
+def _read_metadata(ck):
+    # The test's own checkpoint: its torch.distributed.checkpoint metadata is trusted here.
+    with open(ck / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _rng_location(ck):
+    """(file, offset, length) of the rng_state object's bytes in the .distcp files."""
+    meta = _read_metadata(ck)
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == RNG_FQN)
+    return ck / info.relative_path, info.offset, info.length
+
+
+def _replace_rng_bytes(ck, data: bytes) -> None:
+    """Points the checkpoint's rng_state at ``data`` (appended to its .distcp file)."""
+    meta = _read_metadata(ck)
+    key = next(k for k in meta.storage_data if k.fqn == RNG_FQN)
+    target = ck / meta.storage_data[key].relative_path
+    offset = target.stat().st_size
+    with open(target, "ab") as f:
+        f.write(data)
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], offset=offset,
+                                                 length=len(data))
+    with open(ck / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
 def test_planted_pickle_does_not_run_in_process(tmp_path):
     marker, path = tmp_path / "ran", tmp_path / "rank_00000.pt"
     _plant_pickle(path, marker)
@@ -186,8 +221,17 @@ def test_planted_pickle_does_not_run_in_process(tmp_path):
 
 
 def test_rng_state_loads_with_weights_only(saved):
-    state = integrity.safe_load(str(saved / "iter_0000004" / "rng" / "rank_00000.pt"), "rng")
-    assert set(state) >= {"random", "numpy", "torch"}
+    target, offset, length = _rng_location(saved / "iter_0000004")
+    with open(target, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    # The bytes dist_checkpointing hands the load planner, read as the load reads them.
+    state = integrity._safe_torch_load(io.BytesIO(data), str(target), "rng state")
+    # megatron-core stores the shards' data as a list; the data is Megatron-LM's list of one
+    # state (no --data-parallel-random-init).
+    (data,) = state
+    assert isinstance(data, list) and len(data) == 1
+    assert set(data[0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state"}
 
 
 def run_load(args, env=None):
@@ -221,11 +265,24 @@ def test_planted_pickle_in_an_unverified_checkpoint_does_not_run(saved, tmp_path
     ck = root / "iter_0000004"
     (ck / integrity.MANIFEST).unlink()
     marker = tmp_path / "ran"
-    _plant_pickle(ck / "rng" / "rank_00000.pt", marker)
+    _plant_pickle(tmp_path / "planted.pt", marker)
+    _replace_rng_bytes(ck, (tmp_path / "planted.pt").read_bytes())
     proc = run_load([*FLAGS, *OFFLOAD, "--load", str(root)])
-    assert_one_error_line(proc, "rank_00000.pt", "could run code")
+    assert_one_error_line(proc, RNG_FQN, "could run code")
     assert not marker.exists()
     assert "without verifying its files" in proc.stdout
+
+
+def test_damaged_rng_state_in_an_unverified_checkpoint_is_one_line(saved, tmp_path):
+    root = copy_of(saved, tmp_path)
+    ck = root / "iter_0000004"
+    (ck / integrity.MANIFEST).unlink()
+    target, offset, length = _rng_location(ck)
+    with open(target, "r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(length))
+    proc = run_load([*FLAGS, *OFFLOAD, "--load", str(root)])
+    assert_one_error_line(proc, RNG_FQN, "cannot be read", "the checkpoint is damaged")
 
 
 def _assert_save_failed_cleanly(proc, root):

@@ -25,19 +25,12 @@ from mext_testing import read_metrics, run_pretrain, write_indexed_dataset
 # their values) out, and FALLBACK says what stands in for them. The tokenizers and
 # TensorBoard have tests of their own (test_tokenizer_types.py, test_tensorboard_profile.py).
 PENDING = {
-    "--lr-warmup-fraction": "sample-based schedules",
-    "--train-samples": "sample-based schedules",
-    "--lr-decay-samples": "sample-based schedules",
-    "--lr-warmup-samples": "sample-based schedules",
     "--vocab-file": "tokenizers",
     "--merge-file": "tokenizers",
     "--tiktoken-pattern": "tokenizers",
     "--tensorboard-dir": "TensorBoard",
 }
 FALLBACK = {
-    # The llama script's training length is in samples: 12 samples = 3 iterations of 4.
-    "--train-samples": [("--train-iters", "3"), ("--lr-decay-iters", "3"),
-                        ("--lr-warmup-iters", "1")],
     # The gpt3 script's GPT-2 BPE files: NullTokenizer over a corpus of ids < 128.
     "--vocab-file": [("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "128")],
 }
@@ -97,6 +90,7 @@ def llama3(tmp):
             ("--untie-embeddings-and-output-weights",), ("--disable-bias-linear",),
         ],
         "TRAINING_ARGS": [
+            # Sample-based, as the script: 12 samples = 3 iterations of 4.
             ("--micro-batch-size", "1"), ("--global-batch-size", "4"),
             ("--train-samples", "12"), ("--lr-decay-samples", "12"),
             ("--lr-warmup-samples", "4"), ("--lr", "0.00015"), ("--min-lr", "0.00001"),

@@ -230,3 +230,15 @@ def test_model_settings_from_a_megatron_lm_args_namespace():
     assert cfg.training.micro_batch_size == 2
     with pytest.raises(UsageError, match="records no model settings"):
         standalone.model_config({"checkpoint_version": 1})
+
+
+def test_checkpoint_of_a_sample_based_run_converts(tmp_path):
+    """Its saved training section has --train-samples (and the iterations derived from it):
+    the tools rebuild the run's config from it."""
+    i = TINY.index("--lr-warmup-iters")
+    flags = [*TINY[:i], *TINY[i + 2:], "--train-samples", "24", "--global-batch-size", "8",
+             "--rampup-batch-size", "4", "4", "8", "--lr-warmup-samples", "4"]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    run_pretrain([*flags, "--save", str(ckpt)])
+    assert_ok(call_tool(convert_checkpoint, "--load", ckpt, "--to", "hf", "--output", out))
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 256

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Checkpoints between this project and Megatron-LM on the GPU machine (one GPU, same layout).
+#
+#   1. this project trains a tiny-ish GPT for N iterations on cuda and --save's;
+#   2. Megatron-LM's own pretrain_gpt.py (from MLM_DIR) --load's that checkpoint and trains
+#      M more iterations;
+#   3. the reverse: Megatron-LM trains N and saves, this project --load's and trains M more.
+# Prints both loss curves of each direction and the iteration each side resumed at; logs go
+# to $OUT (this_project_*.log, megatron_lm_*.log, summary.txt).
+#
+# Usage (repository root, on the GPU machine, Megatron-LM's source carried along):
+#   MLM_DIR=/path/to/megatron-lm OUT=/some/dir bash bench/megatron_lm_resume.sh [N] [M]
+# Needs .whl/ (megatron-core and this project's dependencies, as bench/gpu_setup.sh).
+set -uo pipefail
+: "${MLM_DIR:?give MLM_DIR, the Megatron-LM source directory (tag core_v0.16.1)}"
+N="${1:-20}"
+M="${2:-10}"
+. "$(dirname "$0")/gpu_setup.sh"
+WORK="$OUT/ckpt"
+rm -rf "$WORK" && mkdir -p "$WORK"
+
+# Megatron-LM imports six (its BERT tokenizer) at start-up; a stand-in if it is missing.
+SHIM="$OUT/shim"
+if ! python3 -c "import six" 2>/dev/null; then
+  mkdir -p "$SHIM"
+  printf 'PY2 = False\nPY3 = True\ntext_type = str\nbinary_type = bytes\nstring_types = (str,)\n' \
+      > "$SHIM/six.py"
+fi
+IMPL=(--transformer-impl local)
+python3 -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
+
+# The same run for both: flags grouped by concern, Megatron-LM's names and meanings.
+MODEL=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256
+       --max-position-embeddings 256 --position-embedding-type rope --normalization RMSNorm
+       --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+       --hidden-dropout 0 --attention-dropout 0 "${IMPL[@]}")
+DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size 8191 --split 969,30,1
+      --num-workers 0)
+TRAIN=(--micro-batch-size 4 --global-batch-size 16 --train-iters $((N + M)) --bf16
+       --use-distributed-optimizer --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5
+       --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --seed 1234)
+LOG=(--log-interval 1 --eval-iters 0 --eval-interval 1000000)
+CKPT=(--ckpt-format torch_dist --save-interval "$N" --dist-ckpt-strictness log_all)
+
+this_project() {  # this_project LOGNAME FLAGS...
+  local name="$1"; shift
+  python3 pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" \
+      --device cuda --wandb-mode disabled "$@" > "$OUT/$name.log" 2>&1
+  echo "this project ($name): exit $?"
+}
+
+megatron_lm() {  # megatron_lm LOGNAME FLAGS...
+  local name="$1"; shift
+  PYTHONPATH="$MLM_DIR:$SHIM:${PYTHONPATH:-}" torchrun --nproc-per-node 1 \
+      --master-port "${MASTER_PORT:-29533}" "$MLM_DIR/pretrain_gpt.py" \
+      "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" "$@" \
+      > "$OUT/$name.log" 2>&1
+  echo "Megatron-LM ($name): exit $?"
+}
+
+losses() {  # the 'iteration K/ T ... lm loss: X' of a log (both sides print Megatron's line)
+  grep -E "^ *iteration +[0-9]+/" "$1" \
+      | sed -E 's/.*iteration +([0-9]+)\/.*lm loss: ([0-9.E+-]+).*/\1 \2/' | tr '\n' ';'
+  echo
+}
+
+{
+  echo "== Megatron-LM's pretrain_gpt.py --help (imports: $MLM_DIR)"
+  PYTHONPATH="$MLM_DIR:$SHIM:${PYTHONPATH:-}" python3 "$MLM_DIR/pretrain_gpt.py" --help \
+      > "$OUT/megatron_lm_help.log" 2>&1 && echo ok || tail -5 "$OUT/megatron_lm_help.log"
+
+  echo "== 1. this project trains $N iterations and saves; Megatron-LM loads and trains $M"
+  this_project this_project_first --save "$WORK/a" --exit-interval "$N"
+  megatron_lm megatron_lm_resumed --load "$WORK/a" --save "$WORK/a_mlm"
+  echo "this project, iterations 1-$N: $(losses "$OUT/this_project_first.log")"
+  echo "Megatron-LM resumed: $(grep -m1 -E "successfully loaded checkpoint|loading checkpoint" \
+      "$OUT/megatron_lm_resumed.log")"
+  echo "Megatron-LM, iterations $((N + 1))-$((N + M)): $(losses "$OUT/megatron_lm_resumed.log")"
+
+  echo "== reference: this project straight for $((N + M)) iterations"
+  this_project this_project_straight
+  echo "this project straight: $(losses "$OUT/this_project_straight.log")"
+
+  echo "== 2. Megatron-LM trains $N and saves; this project loads and trains $M"
+  megatron_lm megatron_lm_first --save "$WORK/b" --exit-interval "$N"
+  this_project this_project_resumed --load "$WORK/b" --save "$WORK/b_mext"
+  echo "Megatron-LM, iterations 1-$N: $(losses "$OUT/megatron_lm_first.log")"
+  echo "this project resumed: $(grep -m1 -E "^loaded " "$OUT/this_project_resumed.log")"
+  echo "this project, iterations $((N + 1))-$((N + M)): $(losses "$OUT/this_project_resumed.log")"
+  grep -h -E "^error|Error|Traceback" "$OUT"/*.log | head -20
+} 2>&1 | tee "$OUT/summary.txt"
