@@ -89,7 +89,7 @@ MEGATRON_LM = {
 --global-batch-size --train-iters --exit-interval --exit-duration-in-mins --manual-gc
 --manual-gc-interval --no-manual-gc-eval --calculate-per-token-loss --seed --bf16 --fp16
 --loss-scale --initial-loss-scale --eval-interval --eval-iters --log-interval --optimizer --lr
---min-lr --lr-decay-style --lr-warmup-iters --lr-decay-iters --decoupled-lr --decoupled-min-lr
+--min-lr --lr-decay-style --lr-decay-iters --decoupled-lr --decoupled-min-lr
 --train-samples --rampup-batch-size --lr-warmup-samples --lr-decay-samples --lr-warmup-fraction
 --lr-warmup-init --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples
 --weight-decay --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum --clip-grad
@@ -101,6 +101,8 @@ MEGATRON_LM = {
 --profile-ranks --empty-unused-memory-level --deterministic-mode
 """.split()},
     "--normalization": "LayerNorm and RMSNorm (no L2Norm)",
+    "--lr-warmup-iters": "a warm-up that reaches the end of the decay is accepted (Megatron-LM "
+                         "asserts warm-up < decay): the decay then starts just after it",
     "--position-embedding-type": "learned_absolute and rope only (no mrope, yarn, relative, "
                                  "none)",
     "--transformer-impl": "without Transformer Engine installed: local, with one log line",
