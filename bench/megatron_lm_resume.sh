@@ -26,7 +26,10 @@ if ! python3 -c "import six" 2>/dev/null; then
   printf 'PY2 = False\nPY3 = True\ntext_type = str\nbinary_type = bytes\nstring_types = (str,)\n' \
       > "$SHIM/six.py"
 fi
-IMPL=(--transformer-impl local)
+# Without Transformer Engine: megatron-core's local layers, whose linear layers need Apex
+# for the fused weight-gradient accumulation (a RuntimeError there without these flags;
+# this project accepts both, same math).
+IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion)
 python3 -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
 
 # The same run for both: flags grouped by concern, Megatron-LM's names and meanings.

@@ -3,8 +3,9 @@
 ``megatron_lm_side.py`` does Megatron-LM's part with megatron-core: it loads this
 project's checkpoint with Megatron-LM's keys and trains on; and it writes a checkpoint the
 way Megatron-LM's save_checkpoint does, which this project's --load resumes. Either way
-the losses continue exactly as one uninterrupted run of this project (CPU, bitwise). Also
-this project's format-1 checkpoints (rng/ files, the scheduler in iterations) still load.
+the losses continue exactly as one uninterrupted run of this project (CPU, bitwise; at 1
+rank, DP=2, TP=2 and PP=2). Also this project's format-1 checkpoints (rng/ files, the
+scheduler in iterations) still load.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ LAYOUTS = {
     "1rank": (1, []),
     "DP=2": (2, []),
     "TP=2": (2, ["--tensor-model-parallel-size", "2"]),
+    "PP=2": (2, ["--pipeline-model-parallel-size", "2"]),
 }
 
 
@@ -56,9 +58,9 @@ def test_megatron_lm_loads_this_projects_checkpoint_and_trains_on(straight, tmp_
                                         "singleton_local_shards": False,
                                         "chained_optim_avoid_prefix": True}
     args = seen["args"]
-    tp = 2 if layout == "TP=2" else 1
+    tp, pp = (2 if layout == "TP=2" else 1), (2 if layout == "PP=2" else 1)
     assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
-            args["world_size"], args["data_parallel_size"]) == (tp, 1, nproc, nproc // tp)
+            args["world_size"], args["data_parallel_size"]) == (tp, pp, nproc, nproc // tp // pp)
     assert args["consumed_train_samples"] == STOP * 8
     assert (args["num_layers"], args["hidden_size"], args["num_attention_heads"],
             args["seq_length"], args["padded_vocab_size"]) == (2, 64, 4, 32, 256)
