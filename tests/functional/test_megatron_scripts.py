@@ -19,16 +19,13 @@ from megatron_ext.config import build_parser, parse_config
 from megatron_ext.errors import UsageError
 from mext_testing import read_metrics, run_pretrain, write_indexed_dataset
 
-# Flags of the scripts whose values name files or a length this test cannot use as they
-# are (GPT-2 BPE files, a tiktoken vocabulary, a sample count for a 175B run) or that the
-# branch of sample-based schedules implements (not merged yet): the launch leaves them (and
-# their values) out, and FALLBACK says what stands in for them. The tokenizers and
-# TensorBoard have tests of their own (test_tokenizer_types.py, test_tensorboard_profile.py).
+# Flags of the scripts whose values name files this test does not make (GPT-2 BPE files, a
+# tiktoken vocabulary): the launch leaves them (and their values) out, and FALLBACK says
+# what stands in for them. Every tokenizer type trains in test_tokenizer_types.py.
 PENDING = {
-    "--vocab-file": "tokenizers",
-    "--merge-file": "tokenizers",
-    "--tiktoken-pattern": "tokenizers",
-    "--tensorboard-dir": "TensorBoard",
+    "--vocab-file": "tokenizer files",
+    "--merge-file": "tokenizer files",
+    "--tiktoken-pattern": "tokenizer files",
 }
 FALLBACK = {
     # The gpt3 script's GPT-2 BPE files: NullTokenizer over a corpus of ids < 128.
@@ -188,6 +185,7 @@ def test_gpt3_script_trains(tmp_path):
     assert "validation loss at iteration 3" in out.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert (tmp_path / "ckpt" / "iter_0000002").is_dir()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # --tensorboard-dir
 
 
 def test_llama3_script_trains(tmp_path):
@@ -211,6 +209,7 @@ def test_llama3_script_trains(tmp_path):
     assert "validation loss at iteration 2" in out.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert list((tmp_path / "profile").iterdir())  # --profile 2..3 wrote its files
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # --tensorboard-dir
 
 
 # Flags (with the scripts' values) Megatron-LM has and this project refuses: the fp8 branch
