@@ -28,8 +28,10 @@ if ! python3 -c "import six" 2>/dev/null; then
 fi
 # Without Transformer Engine: megatron-core's local layers, whose linear layers need Apex
 # for the fused weight-gradient accumulation (a RuntimeError there without these flags;
-# this project accepts both, same math).
-IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion)
+# this project accepts both, same math), and rope fusion is Transformer Engine's too
+# (Megatron-LM's default; a ValueError there without --no-rope-fusion).
+IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+      --no-rope-fusion)
 python3 -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
 
 # The same run for both: flags grouped by concern, Megatron-LM's names and meanings.

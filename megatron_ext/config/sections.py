@@ -141,6 +141,10 @@ class ModelConfig:
     """Accepted for Megatron-LM scripts: the masked softmax is never fused here (the core
     attention is SDPA, Transformer Engine's, or megatron-core's unfused softmax): same
     math either way."""
+    no_rope_fusion: bool = False
+    """Accepted for Megatron-LM scripts (which need it without Transformer Engine): rotary
+    embeddings are applied by megatron-core's unfused code here (the fused kernel is
+    Transformer Engine's), so the math is the same with or without the flag."""
     cross_entropy_loss_fusion: bool = False
     """Megatron-LM's fused cross entropy: the same loss from a fused kernel. Used on the GPU;
     on the CPU the unfused loss is computed (same math)."""
