@@ -83,7 +83,7 @@ losses() {  # the 'iteration K/ T ... lm loss: X' of a log (both sides print Meg
   echo "Megatron-LM, iterations $((N + 1))-$((N + M)): $(losses "$OUT/megatron_lm_resumed.log")"
 
   echo "== reference: this project straight for $((N + M)) iterations"
-  this_project this_project_straight
+  this_project this_project_straight --save "$WORK/straight"
   echo "this project straight: $(losses "$OUT/this_project_straight.log")"
 
   echo "== 2. Megatron-LM trains $N and saves; this project loads and trains $M"
