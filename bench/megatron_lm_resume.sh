@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
-# Checkpoints between this project and Megatron-LM on the GPU machine (one GPU, same layout).
+# Checkpoints between this project and Megatron-LM (one device, same layout).
 #
-#   1. this project trains a tiny-ish GPT for N iterations on cuda and --save's;
-#   2. Megatron-LM's own pretrain_gpt.py (from MLM_DIR) --load's that checkpoint and trains
-#      M more iterations;
-#   3. the reverse: Megatron-LM trains N and saves, this project --load's and trains M more.
-# Prints both loss curves of each direction and the iteration each side resumed at; logs go
-# to $OUT (this_project_*.log, megatron_lm_*.log, summary.txt).
+#   1. this project trains a tiny-ish GPT for N iterations and --save's;
+#   2. Megatron-LM's own pretrain_gpt.py (from MLM_DIR, through bench/megatron_lm_launch.py:
+#      two resume fixes for megatron-core without Apex/Transformer Engine, see there)
+#      --load's that checkpoint and trains M more iterations;
+#   3. the reverse: Megatron-LM trains N and saves, this project --load's and trains M more;
+#   plus each side's uninterrupted N+M iterations as the reference.
+# Prints the loss curves and the iteration each side resumed at; logs go to $OUT
+# (this_project_*.log, megatron_lm_*.log, summary.txt).
 #
-# Usage (repository root, on the GPU machine, Megatron-LM's source carried along):
-#   MLM_DIR=/path/to/megatron-lm OUT=/some/dir bash bench/megatron_lm_resume.sh [N] [M]
-# Needs .whl/ (megatron-core and this project's dependencies, as bench/gpu_setup.sh).
+# Usage (repository root; Megatron-LM's source, tag core_v0.16.1, in MLM_DIR):
+#   on the GPU machine: MLM_DIR=/path/to/megatron-lm OUT=/some/dir bash bench/megatron_lm_resume.sh [N] [M]
+#     (needs .whl/ as bench/gpu_setup.sh installs it, with pydantic, pydantic_core,
+#     annotated-types and typing-inspection added: Megatron-LM's training imports pydantic)
+#   on the CPU: DEVICE=cpu MLM_DIR=... OUT=... bash bench/megatron_lm_resume.sh 4 4
+#     (Megatron-LM through this project's CUDA-to-CPU layer: a functional check, not the GPU;
+#     it compiles its dataset helpers, so pybind11 must be installed; the CPU checkpoints of
+#     this project hold no CUDA generator state, so Megatron-LM loads them with --no-load-rng)
 set -uo pipefail
 : "${MLM_DIR:?give MLM_DIR, the Megatron-LM source directory (tag core_v0.16.1)}"
 N="${1:-20}"
 M="${2:-10}"
-. "$(dirname "$0")/gpu_setup.sh"
+DEVICE="${DEVICE:-cuda}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+if [ "$DEVICE" = cpu ]; then
+  OUT="${OUT:-/tmp/megatron-lm-resume}"; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
+  LAUNCH=(python3 "$HERE/megatron_lm_launch.py" --cpu)
+  MLM_RNG=(--no-load-rng)
+else
+  . "$HERE/gpu_setup.sh"
+  LAUNCH=(torchrun --nproc-per-node 1 --master-port "${MASTER_PORT:-29533}"
+          "$HERE/megatron_lm_launch.py")
+  MLM_RNG=()
+fi
+export MLM_DIR
 WORK="$OUT/ckpt"
 rm -rf "$WORK" && mkdir -p "$WORK"
 
@@ -29,9 +48,10 @@ fi
 # Without Transformer Engine: megatron-core's local layers, whose linear layers need Apex
 # for the fused weight-gradient accumulation (a RuntimeError there without these flags;
 # this project accepts both, same math), and rope fusion is Transformer Engine's too
-# (Megatron-LM's default; a ValueError there without --no-rope-fusion).
+# (Megatron-LM's default; a ValueError there without --no-rope-fusion), and the persistent
+# layer norm is Apex's (an AssertionError in the local RMSNorm without --no-persist-layer-norm).
 IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
-      --no-rope-fusion)
+      --no-rope-fusion --no-persist-layer-norm)
 python3 -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
 
 # The same run for both: flags grouped by concern, Megatron-LM's names and meanings.
@@ -50,21 +70,20 @@ CKPT=(--ckpt-format torch_dist --save-interval "$N" --dist-ckpt-strictness log_a
 this_project() {  # this_project LOGNAME FLAGS...
   local name="$1"; shift
   python3 pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" \
-      --device cuda --wandb-mode disabled "$@" > "$OUT/$name.log" 2>&1
+      --device "$DEVICE" --wandb-mode disabled "$@" > "$OUT/$name.log" 2>&1
   echo "this project ($name): exit $?"
 }
 
 megatron_lm() {  # megatron_lm LOGNAME FLAGS...
   local name="$1"; shift
-  PYTHONPATH="$MLM_DIR:$SHIM:${PYTHONPATH:-}" torchrun --nproc-per-node 1 \
-      --master-port "${MASTER_PORT:-29533}" "$MLM_DIR/pretrain_gpt.py" \
+  PYTHONPATH="$MLM_DIR:$SHIM:$(cd "$HERE/.." && pwd):${PYTHONPATH:-}" "${LAUNCH[@]}" \
       "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" "$@" \
       > "$OUT/$name.log" 2>&1
   echo "Megatron-LM ($name): exit $?"
 }
 
-losses() {  # the 'iteration K/ T ... lm loss: X' of a log (both sides print Megatron's line)
-  grep -E "^ *iteration +[0-9]+/" "$1" \
+losses() {  # the 'iteration K/ T ... lm loss: X' of a log (Megatron-LM's has a time stamp before it)
+  grep -E "(^|\] | )iteration +[0-9]+/" "$1" \
       | sed -E 's/.*iteration +([0-9]+)\/.*lm loss: ([0-9.E+-]+).*/\1 \2/' | tr '\n' ';'
   echo
 }
@@ -76,7 +95,7 @@ losses() {  # the 'iteration K/ T ... lm loss: X' of a log (both sides print Meg
 
   echo "== 1. this project trains $N iterations and saves; Megatron-LM loads and trains $M"
   this_project this_project_first --save "$WORK/a" --exit-interval "$N"
-  megatron_lm megatron_lm_resumed --load "$WORK/a" --save "$WORK/a_mlm"
+  megatron_lm megatron_lm_resumed --load "$WORK/a" --save "$WORK/a_mlm" "${MLM_RNG[@]}"
   echo "this project, iterations 1-$N: $(losses "$OUT/this_project_first.log")"
   echo "Megatron-LM resumed: $(grep -m1 -E "successfully loaded checkpoint|loading checkpoint" \
       "$OUT/megatron_lm_resumed.log")"
@@ -92,5 +111,9 @@ losses() {  # the 'iteration K/ T ... lm loss: X' of a log (both sides print Meg
   echo "Megatron-LM, iterations 1-$N: $(losses "$OUT/megatron_lm_first.log")"
   echo "this project resumed: $(grep -m1 -E "^loaded " "$OUT/this_project_resumed.log")"
   echo "this project, iterations $((N + 1))-$((N + M)): $(losses "$OUT/this_project_resumed.log")"
+
+  echo "== reference: Megatron-LM straight for $((N + M)) iterations"
+  megatron_lm megatron_lm_straight --save "$WORK/mlm_straight"
+  echo "Megatron-LM straight: $(losses "$OUT/megatron_lm_straight.log")"
   grep -h -E "^error|Error|Traceback" "$OUT"/*.log | head -20
 } 2>&1 | tee "$OUT/summary.txt"

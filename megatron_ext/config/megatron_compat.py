@@ -113,6 +113,7 @@ MEGATRON_LM = {
     "--no-gradient-accumulation-fusion": "never fused here: same gradients either way",
     "--no-masked-softmax-fusion": "never fused here: same math either way",
     "--no-rope-fusion": "never fused here: same math either way",
+    "--no-persist-layer-norm": "Apex's kernel, never used here: same math either way",
     "--no-create-attention-mask-in-dataloader": "never created here (causal attention by "
                                                 "construction): same math either way",
     "--use-mcore-models": "deprecated and ignored there too: always megatron-core's GPTModel",

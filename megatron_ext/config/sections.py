@@ -145,6 +145,10 @@ class ModelConfig:
     """Accepted for Megatron-LM scripts (which need it without Transformer Engine): rotary
     embeddings are applied by megatron-core's unfused code here (the fused kernel is
     Transformer Engine's), so the math is the same with or without the flag."""
+    no_persist_layer_norm: bool = False
+    """Accepted for Megatron-LM scripts (which need it for the local implementation's
+    RMSNorm without Apex): the persistent layer-norm kernel is Apex's and never used here,
+    so the math is the same with or without the flag."""
     cross_entropy_loss_fusion: bool = False
     """Megatron-LM's fused cross entropy: the same loss from a fused kernel. Used on the GPU;
     on the CPU the unfused loss is computed (same math)."""

@@ -79,9 +79,10 @@ def _megatron_state(trainer, metadata, is_loading):
     if is_loading:
         from megatron_ext.training.checkpoint import _materialize_optimizer_states
 
-        # torch creates Adam's states at the first step; Megatron-LM's first load happens
-        # on states that already exist after its optimizer init (megatron-core's
-        # DistributedOptimizer allocates them), this project's optimizer creates them lazily.
+        # torch creates Adam's states at the first step, and megatron-core's
+        # DistributedOptimizer cannot build the sharded state dict of a load without them
+        # (without Apex/Transformer Engine; bench/megatron_lm_launch.py does the same for
+        # Megatron-LM's own pretrain_gpt.py).
         _materialize_optimizer_states(trainer.optimizer)
     state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                               metadata=metadata)

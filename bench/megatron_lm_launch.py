@@ -1,0 +1,134 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` with two resume fixes, optionally on the CPU.
+
+Runs it from its source in ``MLM_DIR``; the fixes are for megatron-core 0.16.1 without Apex
+or Transformer Engine.
+
+Used by ``bench/megatron_lm_resume.sh``; not part of this project's training path.
+
+Usage: ``MLM_DIR=/path/to/megatron-lm python bench/megatron_lm_launch.py [--cpu] FLAGS...``
+(under torchrun on a GPU: ``torchrun --nproc-per-node 1 bench/megatron_lm_launch.py FLAGS``).
+
+Without Apex or Transformer Engine, megatron-core 0.16.1's ``DistributedOptimizer`` uses
+torch's AdamW, and Megatron-LM cannot resume any ``torch_dist`` checkpoint with its
+optimizer, its own included:
+
+1. ``DistributedOptimizer.state_dict()`` asserts (``assert len(steps) == 1``) when torch's
+   Adam has no state yet, which is always the case when ``load_checkpoint`` builds the
+   sharded state dict before the first step. Fix: before that, the states are made the way
+   megatron-core makes them for its FSDP path (``_init_optimizer_states_with_dummy_values``);
+   the load then overwrites them.
+2. After the load every parameter's ``step`` is the one of those dummy states (or, without
+   fix 1, one tensor shared by all parameters, which torch's foreach Adam then increments
+   once per parameter), not its group's step from the checkpoint: the first update after
+   the resume uses the wrong bias correction (on the CPU the next iteration's grad norm was
+   1.659 or 1.709 instead of 1.670). Fix: each parameter's step is set from its group's.
+
+Neither fix is applied when Apex or Transformer Engine is importable (megatron-core then
+uses their fused Adam and another path).
+
+``--cpu``: Megatron-LM's training on the CPU through this project's CUDA-to-CPU layer
+(``megatron_ext.runtime.cpu_compat``) plus stand-ins for the few CUDA calls Megatron-LM's
+own training makes (device count, CUDA generator state: the CPU's, the nvcc version check
+of its legacy fused kernels), gloo instead of nccl, and its torch.compile'd fusions off
+(``--no-bias-swiglu-fusion --no-bias-dropout-fusion``; the JIT warm-up is skipped). A
+functional check of flags, checkpoint load and save: not a measurement, and not the GPU.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import torch
+
+
+def _cpu_stand_ins() -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29563")
+    from megatron_ext.runtime import cpu_compat
+
+    cpu_compat.install()
+    cuda = torch.cuda
+    cuda.is_available = lambda: True
+    cuda.device_count = lambda: 1
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda *a, **k: None
+    cuda.manual_seed_all = lambda *a, **k: None
+    cuda.get_device_capability = lambda *a, **k: (9, 0)
+    cuda.get_device_name = lambda *a, **k: "cpu"
+    cuda.set_stream = lambda *a, **k: None
+    cuda.mem_get_info = lambda *a, **k: (0, 0)
+    cuda.memory_stats = lambda *a, **k: {}
+    # Megatron-LM's legacy fused kernels read `nvcc -V` from CUDA_HOME at start-up.
+    import tempfile
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    fake = tempfile.mkdtemp(prefix="mlm-cuda-home-")
+    os.makedirs(os.path.join(fake, "bin"))
+    nvcc = os.path.join(fake, "bin", "nvcc")
+    with open(nvcc, "w") as f:
+        f.write('#!/bin/sh\necho "Cuda compilation tools, release 12.4, V12.4.131"\n')
+    os.chmod(nvcc, 0o755)
+    cpp_extension.CUDA_HOME = fake
+    import megatron.training.initialize as mlm_initialize
+
+    mlm_initialize._warmup_jit_function = lambda *a, **k: None
+
+
+def _optimizer_resume_fixes() -> None:
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return
+    print("megatron_lm_launch: no Apex or Transformer Engine: applying the two resume fixes "
+          "for torch's AdamW (bench/megatron_lm_launch.py)", flush=True)
+    sharded_state_dict = do.DistributedOptimizer.sharded_state_dict
+    load_state_dict = do.DistributedOptimizer.load_state_dict
+
+    def sharded_with_states(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+
+    def load_with_group_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for group in self.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                if "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]),
+                                                 dtype=state["step"].dtype,
+                                                 device=state["step"].device)
+
+    do.DistributedOptimizer.sharded_state_dict = sharded_with_states
+    do.DistributedOptimizer.load_state_dict = load_with_group_steps
+
+
+def main() -> None:
+    """Applies the fixes (and the CPU stand-ins with --cpu), then runs pretrain_gpt.py."""
+    mlm = os.environ.get("MLM_DIR")
+    if not mlm or not os.path.isfile(os.path.join(mlm, "pretrain_gpt.py")):
+        sys.exit("error: MLM_DIR must name Megatron-LM's source directory (with pretrain_gpt.py)")
+    sys.path.insert(0, mlm)
+    flags = sys.argv[1:]
+    cpu = "--cpu" in flags
+    flags = [f for f in flags if f != "--cpu"]
+    if cpu:
+        _cpu_stand_ins()
+        flags += ["--distributed-backend", "gloo", "--no-bias-swiglu-fusion",
+                  "--no-bias-dropout-fusion"]
+    _optimizer_resume_fixes()
+    script = os.path.join(mlm, "pretrain_gpt.py")
+    sys.argv = [script, *flags]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
