@@ -66,6 +66,11 @@ def _args_dict(common: dict) -> Optional[dict]:
     return dict(args) if isinstance(args, dict) else dict(vars(args))
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                torch.uint8: "fp8"}
+"""Megatron-LM's args hold the state dtypes as torch dtypes (its validate_args maps them)."""
+
+
 def saved_sections(common: dict) -> dict:
     """The run's config sections as dicts, from ``config`` or Megatron-LM's ``args``.
 
@@ -80,6 +85,8 @@ def saved_sections(common: dict) -> dict:
     if args is None:
         raise UsageError("the checkpoint records no model settings (no 'config' or 'args' in "
                          "its common state); it was not written by megatron_ext or Megatron-LM")
+    args = {k: _DTYPE_NAMES.get(v, v) if isinstance(v, torch.dtype) else v
+            for k, v in args.items()}
     sections = {}
     for section in dataclasses.fields(RunConfig):
         names = {f.name for f in dataclasses.fields(section.default_factory)}
@@ -135,8 +142,12 @@ def run_config(common: dict, *, device: str = "cpu", fp32: bool = True, data: Op
         model=_section(s.ModelConfig, saved["model"]),
         parallel=s.ParallelConfig(),
         training=_section(s.TrainingConfig, train),
+        # The plain optimizer: the tools never step it, and a run's precision-aware states
+        # (honoured with --offload-optimizer only) would not validate without the offload.
         optimizer=_section(s.OptimizerConfig, {"lr": 1e-4, **saved.get("optimizer", {})},
-                           optimizer_cpu_offload=False),
+                           optimizer_cpu_offload=False, use_precision_aware_optimizer=False,
+                           main_params_dtype="fp32", exp_avg_dtype="fp32",
+                           exp_avg_sq_dtype="fp32"),
         data=_section(s.DataConfig, data_values),
         checkpoint=s.CheckpointConfig(load=load),
         logging=s.LoggingConfig(wandb_mode="disabled"),

@@ -49,7 +49,7 @@ from megatron_ext.zenflow.accumulation import (
     measured_free_memory,
 )
 from megatron_ext.zenflow.config import ZenFlowConfig
-from megatron_ext.zenflow.cpu_worker import CpuSide, TieredCpuSide
+from megatron_ext.zenflow.cpu_worker import CPUS_ENV, CpuSide, TieredCpuSide, _ranges
 from megatron_ext.zenflow.schedule import WindowSchedule, adam_floor
 from megatron_ext.zenflow.selection import (
     Plan,
@@ -298,6 +298,11 @@ class ZenFlowEngine:
                                                      free, total)
         log.info("ZenFlow accumulates the delayed gradients on the %s (%s)", self.place,
                  self.place_reason)
+        cpus = getattr(self.cpu, "cpus", None)
+        allowed = os.sched_getaffinity(0)
+        log.info("ZenFlow's CPU-side threads run on %s (%s)",
+                 f"CPUs {_ranges(cpus)}, the training loop keeps {_ranges(allowed - cpus)}"
+                 if cpus else f"all {len(allowed)} CPUs of this process", CPUS_ENV)
         if self.place == "device":
             if self.is_cuda:
                 self.cpu.pin_accumulators()

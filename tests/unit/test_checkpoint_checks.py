@@ -125,3 +125,32 @@ def test_tools_take_the_runs_tokenizer_and_its_files(tmp_path):
     assert standalone.tokenizer_settings({"config": {"model": {}, "data": {"vocab_size": 99}}}) == {
         "tokenizer_type": "NullTokenizer", "vocab_size": 99, "tokenizer_model": None,
         "vocab_file": None, "merge_file": None, "tiktoken_pattern": None}
+
+
+def test_tools_read_megatron_lms_args_with_torch_dtypes():
+    """Megatron-LM's validate_args stores the state dtypes as torch dtypes: a checkpoint it
+    wrote must still give the tools a valid run config (generate, evaluate, HF export)."""
+    import torch
+
+    from megatron_ext.model import standalone
+
+    args = argparse.Namespace(num_layers=4, hidden_size=256, num_attention_heads=8,
+                              seq_length=256, max_position_embeddings=256,
+                              add_bias_linear=False, swiglu=True, bf16=True,
+                              main_params_dtype=torch.float32, exp_avg_dtype=torch.bfloat16,
+                              exp_avg_sq_dtype=torch.float16, params_dtype=torch.bfloat16,
+                              use_precision_aware_optimizer=True,
+                              tokenizer_type="NullTokenizer", vocab_size=8191)
+    sections = standalone.saved_sections({"args": args})
+    assert sections["optimizer"]["main_params_dtype"] == "fp32"
+    assert sections["optimizer"]["exp_avg_dtype"] == "bf16"
+    assert sections["optimizer"]["exp_avg_sq_dtype"] == "fp16"
+    cfg = standalone.run_config({"args": args})
+    assert cfg.model.num_layers == 4 and cfg.model.disable_bias_linear is True
+    # This project's own run with bf16 moments in the offload engine: the tools' plain
+    # optimizer must not inherit settings that only validate with --offload-optimizer.
+    ours = {"config": {"model": dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                     seq_length=64, max_position_embeddings=64),
+                       "optimizer": dict(use_precision_aware_optimizer=True,
+                                         exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")}}
+    assert standalone.run_config(ours).optimizer.exp_avg_dtype == "fp32"
