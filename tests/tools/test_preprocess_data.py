@@ -283,11 +283,14 @@ def _kill_workers(pid):
 def test_interrupted_or_broken_run_leaves_nothing(tmp_path, small_corpus, tiny_tokenizer):
     # A run's temporary files appear once it has imported megatron-core (seconds), while
     # its worker has tokenized only the chunks queued ahead (64 of 16 lines); the input is
-    # large enough that much is left to tokenize at that point.
+    # large enough that much is left to tokenize at that point. With 30 copies ~3 s were
+    # left on a loaded 2-core machine, and once (2026-12-02) the Ctrl-C'd run finished
+    # with exit 0 as if the signal had come too late: 120 copies leave ~4x the time; the
+    # runs are stopped early, so the extra input costs only its writing here.
     with open(small_corpus, encoding="utf-8") as stream:
         corpus = stream.read()
     data = tmp_path / "big.jsonl"
-    data.write_text(corpus * 30, encoding="utf-8")
+    data.write_text(corpus * 120, encoding="utf-8")
     cases = {  # output prefix: (what hits the run, its exit status, its last message)
         "term": (lambda pid: os.kill(pid, signal.SIGTERM), 143, "terminated (SIGTERM)"),
         "int": (lambda pid: os.kill(pid, signal.SIGINT), 130, "interrupted (Ctrl-C)"),
