@@ -280,29 +280,34 @@ def _kill_workers(pid):
         child.send_signal(signal.SIGKILL)
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupted_or_broken_run_leaves_nothing(tmp_path, small_corpus, tiny_tokenizer):
     # A run's temporary files appear once it has imported megatron-core (seconds), while
     # its worker has tokenized only the chunks queued ahead (64 of 16 lines); the input is
-    # large enough that much is left to tokenize at that point. With 30 copies ~3 s were
-    # left on a loaded 2-core machine, and once (2026-12-02) the Ctrl-C'd run finished
-    # with exit 0 as if the signal had come too late: 120 copies leave ~4x the time; the
-    # runs are stopped early, so the extra input costs only its writing here.
+    # large enough that much is left to tokenize at that point.
     with open(small_corpus, encoding="utf-8") as stream:
         corpus = stream.read()
     data = tmp_path / "big.jsonl"
-    data.write_text(corpus * 120, encoding="utf-8")
+    data.write_text(corpus * 30, encoding="utf-8")
     cases = {  # output prefix: (what hits the run, its exit status, its last message)
         "term": (lambda pid: os.kill(pid, signal.SIGTERM), 143, "terminated (SIGTERM)"),
         "int": (lambda pid: os.kill(pid, signal.SIGINT), 130, "interrupted (Ctrl-C)"),
         # A worker killed (as the kernel's OOM killer would) must not hang the run.
         "oom": (_kill_workers, 2, "error: a worker process died"),
     }
-    # The runs at once: each waits seconds for its megatron-core import.
+    # The runs at once: each waits seconds for its megatron-core import. Each gets Ctrl-C's
+    # default action, as a command in a terminal has: a suite started in the background
+    # (`cmd &`, nohup, setsid) runs with SIGINT ignored, which its children inherit and
+    # Python keeps (the run then ignored the Ctrl-C and exited 0, 2026-12-02).
     procs = {name: subprocess.Popen(
         tool_command("preprocess_data.py", ["--input", data, "--output-prefix", tmp_path / name,
                                             "--tokenizer-model", tiny_tokenizer,
                                             "--workers", 1, "--chunk-lines", 16]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        preexec_fn=_default_sigint)
         for name in cases}
     try:
         # Generous: other processes on a shared machine can slow the import many times.
