@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.states import DTYPES as STATE_DTYPES
 
 # The common-state marker of a checkpoint that holds model weights only (no optimizer,
 # scheduler or data position), e.g. one converted from Hugging Face.
@@ -66,9 +67,9 @@ def _args_dict(common: dict) -> Optional[dict]:
     return dict(args) if isinstance(args, dict) else dict(vars(args))
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                torch.uint8: "fp8"}
-"""Megatron-LM's args hold the state dtypes as torch dtypes (its validate_args maps them)."""
+_DTYPE_NAMES = {**{dtype: name for name, dtype in STATE_DTYPES.items()}, torch.uint8: "fp8"}
+"""Megatron-LM's args hold the state dtypes as torch dtypes (its validate_args maps them;
+fp8 to uint8)."""
 
 
 def saved_sections(common: dict) -> dict:
