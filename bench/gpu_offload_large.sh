@@ -8,6 +8,7 @@
 #   6.7b   32 layers, hidden 4096, 32 heads:   6.6B,   79 GB
 #   16b    36 layers, hidden 6144, 48 heads:  16.5B,  198 GB (fp32), 132 GB (MOMENTS=bf16)
 #   18b    40 layers, hidden 6144, 48 heads:  18.3B,  219 GB (fp32), 146 GB (MOMENTS=bf16)
+#   20b    44 layers, hidden 6144, 48 heads:  20.1B,  242 GB (fp32), 161 GB (MOMENTS=bf16)
 # TIERS:
 #   device (default)  --offload-device-cache-gb auto (GPU memory left after the measured
 #                     forward+backward peak and DEVICE_RESERVE_GB), the rest in the pinned
@@ -32,7 +33,8 @@ case "$MODEL" in
   6.7b) SHAPE=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32) ;;
   16b) SHAPE=(--num-layers 36 --hidden-size 6144 --num-attention-heads 48) ;;
   18b) SHAPE=(--num-layers 40 --hidden-size 6144 --num-attention-heads 48) ;;
-  *) echo "MODEL must be 13b, 6.7b, 16b or 18b"; exit 2 ;;
+  20b) SHAPE=(--num-layers 44 --hidden-size 6144 --num-attention-heads 48) ;;
+  *) echo "MODEL must be 13b, 6.7b, 16b, 18b or 20b"; exit 2 ;;
 esac
 TIERS="${TIERS:-device}"
 TIER="${TIER:-/var/tmp/offload-tier}"

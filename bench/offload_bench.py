@@ -132,8 +132,8 @@ def run_config(name: str, a, bandwidth: dict) -> dict:
         launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
-        cmd = [*launch, str(ROOT / "pretrain_gpt.py"), *REFERENCE, *extra,
-               "--train-iters", str(a.iters), "--metrics-path", str(metrics)]
+        cmd = [*launch, str(ROOT / "pretrain_gpt.py"), *REFERENCE, *shlex.split(a.extra_args),
+               *extra, "--train-iters", str(a.iters), "--metrics-path", str(metrics)]
         print(f"== {name}: {' '.join(shlex.quote(x) for x in extra)}", flush=True)
         returncode, output, peak_rss = run_measured(cmd, a, cwd=ROOT)
         records = ([json.loads(line) for line in metrics.read_text().splitlines()
@@ -225,6 +225,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="iterations dropped")
     p.add_argument("--probe-mb", type=int, default=2048, help="size of the bandwidth probe")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    p.add_argument("--extra-args", default="",
+                   help="pretrain_gpt.py flags added to every configuration of this engine "
+                        "and megatron-core (e.g. '--global-batch-size 64'); not to DeepSpeed")
     p.add_argument("--deepspeed-bundle", help="the DeepSpeed peer bundle (for deepspeed-nvme)")
     p.add_argument("--output", required=True, help="results JSON")
     a = p.parse_args()
@@ -237,7 +240,8 @@ def main() -> int:
     print(f"probe (O_DIRECT, {a.probe_mb} MiB): {json.dumps(bandwidth)}", flush=True)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(shlex.quote(x) for x in sys.argv),
-               "reference_args": REFERENCE, "bandwidth": bandwidth, "runs": []}
+               "reference_args": REFERENCE + shlex.split(a.extra_args), "bandwidth": bandwidth,
+               "runs": []}
     out = Path(a.output)
     for name in configs:
         run = run_deepspeed(a) if name == "deepspeed-nvme" else run_config(name, a, bandwidth)
