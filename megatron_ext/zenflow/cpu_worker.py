@@ -93,7 +93,7 @@ def host_cpus(default: bool = False) -> Optional[set]:
                          "1,3,8-11, or all") from None
     if not cpus <= allowed:
         raise UsageError(f"{CPUS_ENV}={value}: CPUs {sorted(cpus - allowed)} are not available "
-                         f"to this process (it may use {_ranges(allowed)})")
+                         f"to this process (it may use {cpu_ranges(allowed)})")
     return cpus
 
 
@@ -161,8 +161,8 @@ def _local_ranks() -> int:
     return 1
 
 
-def _ranges(cpus) -> str:
-    """{0, 1, 2, 5} -> "0-2,5"."""
+def cpu_ranges(cpus) -> str:
+    """A set of CPU numbers as taskset writes it: {0, 1, 2, 5} -> "0-2,5"."""
     out, run = [], []
     for cpu in sorted(cpus):
         if run and cpu != run[-1] + 1:

@@ -49,7 +49,7 @@ from megatron_ext.zenflow.accumulation import (
     measured_free_memory,
 )
 from megatron_ext.zenflow.config import ZenFlowConfig
-from megatron_ext.zenflow.cpu_worker import CPUS_ENV, CpuSide, TieredCpuSide, _ranges
+from megatron_ext.zenflow.cpu_worker import CPUS_ENV, CpuSide, TieredCpuSide, cpu_ranges
 from megatron_ext.zenflow.schedule import WindowSchedule, adam_floor
 from megatron_ext.zenflow.selection import (
     Plan,
@@ -301,7 +301,7 @@ class ZenFlowEngine:
         cpus = getattr(self.cpu, "cpus", None)
         allowed = os.sched_getaffinity(0)
         log.info("ZenFlow's CPU-side threads run on %s (%s)",
-                 f"CPUs {_ranges(cpus)}, the training loop keeps {_ranges(allowed - cpus)}"
+                 f"CPUs {cpu_ranges(cpus)}, the training loop keeps {cpu_ranges(allowed - cpus)}"
                  if cpus else f"all {len(allowed)} CPUs of this process", CPUS_ENV)
         if self.place == "device":
             if self.is_cuda:

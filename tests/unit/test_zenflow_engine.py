@@ -467,7 +467,7 @@ def test_host_cpus_parses_lists(monkeypatch, value, cpus):
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", "3-1")
     with pytest.raises(UsageError, match="give CPU numbers and ranges"):
         cpu_worker.host_cpus()
-    assert cpu_worker._ranges({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert cpu_worker.cpu_ranges({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
 
 
 def test_selection_changes_sides():
