@@ -42,6 +42,16 @@ def megatron_args(cfg, layout: dict, progress: dict, padded_vocab_size: int,
     values.update(
         # The rest of the architecture.
         norm_epsilon=model.norm_epsilon,
+        # Megatron-LM 0.16's parser stores --norm-epsilon and --apply-layernorm-1p under
+        # TransformerConfig's names; older code (and --use-checkpoint-args) reads the above.
+        layernorm_epsilon=model.norm_epsilon,
+        layernorm_zero_centered_gamma=model.apply_layernorm_1p,
+        # The kernels this project ran (never Apex's or Transformer Engine's fused ones):
+        # Megatron-LM's tools copy these over their defaults, which need TE and Apex.
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
         init_method_std=model.init_method_std,
         attention_softmax_in_fp32=model.attention_softmax_in_fp32,
         add_position_embedding=True,  # Megatron-LM's default; rope does not change it

@@ -46,6 +46,11 @@ def _args():
     ("ckpt_format", "torch_dist"), ("tokenizer_type", None), ("vocab_size", 1000),
     ("make_vocab_size_divisible_by", 128), ("lr", 1e-3), ("lr_decay_style", "linear"),
     ("use_distributed_optimizer", True), ("iteration", 7), ("no_save_rng", None),
+    # Megatron-LM 0.16's own names for --norm-epsilon and --apply-layernorm-1p, and the
+    # fused kernels (Apex's, Transformer Engine's) this project never runs.
+    ("layernorm_epsilon", 1e-5), ("layernorm_zero_centered_gamma", False),
+    ("apply_rope_fusion", False), ("gradient_accumulation_fusion", False),
+    ("masked_softmax_fusion", False), ("persist_layer_norm", False),
 ])
 def test_args_carry_megatron_lms_names_and_values(name, want):
     _, args = _args()
