@@ -16,18 +16,22 @@
 #                     streamed GPU update of host subgroups on (GPU_UPDATE=0: off)
 #   host              the old layout: no device tier, CACHE_GB (default 100) pinned + PATHS
 #                     (default the root disk)
+#   mcore             not this engine: megatron-core's --optimizer-cpu-offload with
+#                     --optimizer-offload-fraction FRACTION (default 1.0) and
+#                     --overlap-cpu-optimizer-d2h-h2d (HybridDeviceOptimizer), for the peer row
 # MOMENTS=bf16: --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
 # (8 bytes per element instead of 12; MOMENTS=fp32, the default: exact fp32 states).
 # GBS (global batch, default 64) of MBS (micro-batch, default 1) sequences of 2048;
 # RECOMPUTE=1 (default) recomputes whole layers (the activations of one micro-batch of the
 # 13B without it: ~15 GB, taken from the device tier). --grad-reduce-in-bf16 is passed when
 # this build has it (bf16 gradient buffer: 2 bytes per parameter instead of 4).
-# Writes $OUT/gpt-$MODEL.{jsonl,txt} and $OUT/memory.txt (free -g, disk, nvidia-smi every 15 s).
+# Writes $OUT/$NAME.{jsonl,txt} and $OUT/memory.txt (free -g, disk, nvidia-smi every 15 s).
 # Usage (repository root, on the GPU machine; carry .whl):
 #   OUT=/dir MODEL=13b ITERS=4 bash bench/gpu_offload_large.sh
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 MODEL="${MODEL:-13b}"
+NAME="${NAME:-gpt-$MODEL}"  # the output files: $OUT/$NAME.{jsonl,txt}
 case "$MODEL" in
   13b) SHAPE=(--num-layers 40 --hidden-size 5120 --num-attention-heads 40) ;;
   6.7b) SHAPE=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32) ;;
@@ -51,8 +55,14 @@ case "$TIERS" in
   host)
     PATHS="${PATHS:-$TIER}"
     EXTRA+=(--offload-host-cache-gb "${CACHE_GB:-100}" --no-offload-gpu-update) ;;
-  *) echo "TIERS must be device or host"; exit 2 ;;
+  mcore)
+    PATHS=""
+    EXTRA+=(--optimizer-cpu-offload --optimizer-offload-fraction "${FRACTION:-1.0}"
+            --overlap-cpu-optimizer-d2h-h2d) ;;
+  *) echo "TIERS must be device, host or mcore"; exit 2 ;;
 esac
+OFFLOAD=(--offload-optimizer)
+[ "$TIERS" = mcore ] && OFFLOAD=()
 if [ -n "$PATHS" ]; then
   mkdir -p "$TIER"
   EXTRA+=(--offload-paths $PATHS --offload-direct-io --offload-io-threads 8)
@@ -77,15 +87,15 @@ timeout "${LIMIT:-540}" python3 pretrain_gpt.py "${SHAPE[@]}" --seq-length 2048 
     --global-batch-size "${GBS:-64}" --mock-data --vocab-size 32000 \
     --bf16 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 \
     --lr-decay-style cosine --num-workers 0 --log-interval 1 --eval-iters 0 --eval-interval 1000 \
-    --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 --offload-optimizer \
-    "${EXTRA[@]}" --train-iters "${ITERS:-4}" --metrics-path "$OUT/gpt-$MODEL.jsonl" \
-    2>&1 | grep -v "UserWarning\|warnings.warn\|return func" | tee "$OUT/gpt-$MODEL.txt" | tail -25
-echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpt-$MODEL.txt"
+    --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 "${OFFLOAD[@]}" \
+    "${EXTRA[@]}" --train-iters "${ITERS:-4}" --metrics-path "$OUT/$NAME.jsonl" \
+    2>&1 | grep -v "UserWarning\|warnings.warn\|return func" | tee "$OUT/$NAME.txt" | tail -25
+echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/$NAME.txt"
 set +x
 kill $MONITOR
 tail -4 "$OUT/memory.txt"
 # Step time against its own forward+backward (the target: within 1.25x).
-python3 - "$OUT/gpt-$MODEL.jsonl" <<'EOF'
+python3 - "$OUT/$NAME.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 rows = [r for r in rows if "time/iteration_s" in r]

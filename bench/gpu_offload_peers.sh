@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issue 15's 6.7B row with its two peers, in one command on one H200 machine:
+#   1. this engine: the 6.7B GPT (32 layers, hidden 4096, 32 heads; 6.6B parameters, 79 GB of
+#      fp32 state) in its tiers (bench/gpu_offload_large.sh MODEL=6.7b: device tier auto,
+#      the rest in the pinned host cache, streamed GPU update on);
+#   2. megatron-core's --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d on the same
+#      model and flags (TIERS=mcore), each --optimizer-offload-fraction of FRACTIONS from
+#      the first until one trains all ITERS iterations (the largest fraction that fits);
+#   3. DeepSpeed ZeRO-3 (the bundle's zero_infinity_bench.py, --offload DS_OFFLOAD: cpu or
+#      nvme on the root disk), each LAYERSxHIDDENxHEADS of DS_SHAPES from the first until one
+#      trains (the largest GPT it trains here), seq 2048, micro-batch 1, its own untied GPT.
+# Rows 1 and 2: global batch GBS (default 64) of micro-batch 1, full recompute, bf16 with
+# --grad-reduce-in-bf16 (bf16 gradient buffer, as the large rows); the DeepSpeed bundle has
+# no gradient accumulation, so its rows step per micro-batch: compare tokens/s.
+# Each try has its own time limit (LIMIT for this engine, TRY_LIMIT for each peer try).
+# Writes $OUT/{gpt-6.7b,mcore-F}.{jsonl,txt}, $OUT/deepspeed-SHAPE.txt, $OUT/summary.txt.
+# Usage (repository root, on the GPU machine; carry .whl and .peers):
+#   OUT=/dir bash bench/gpu_offload_peers.sh
+set -uo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+OUT="${OUT:-/tmp/gpu-out}"
+mkdir -p "$OUT"
+ITERS="${ITERS:-3}"
+FRACTIONS="${FRACTIONS:-1.0 0.9 0.8 0.7 0.6 0.5}"
+DS_SHAPES="${DS_SHAPES:-40x5120x40 32x4096x32 24x4096x32 24x2048x16}"
+DS_OFFLOAD="${DS_OFFLOAD:-cpu}"
+TRY_LIMIT="${TRY_LIMIT:-240}"
+SUMMARY="$OUT/summary.txt"
+
+row() {  # row NAME JSONL: the mean step of the iterations after the first
+  python3 - "$1" "$2" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+name, path = sys.argv[1:]
+try:
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+except OSError:
+    rows = []
+rows = [r for r in rows if "time/iteration_s" in r][1:]
+if not rows:
+    print(f"{name}: did not train past its first iteration")
+else:
+    steps = [r["time/iteration_s"] for r in rows]
+    print(f"{name}: step s {', '.join(f'{s:.2f}' for s in steps)} (n={len(steps)}), "
+          f"tokens/s {', '.join(str(round(r.get('throughput/tokens_per_s', 0))) for r in rows)}, "
+          f"GPU max {max(r.get('memory/gpu_max_allocated_gib', 0) for r in rows):.1f} GiB, "
+          f"host RSS {max(r.get('memory/host_rss_gib', 0) for r in rows):.1f} GiB")
+EOF
+}
+
+: > "$SUMMARY"
+echo "== 1. this engine, the 6.7B GPT in its tiers" | tee -a "$SUMMARY"
+OUT="$OUT" MODEL=6.7b GBS="${GBS:-64}" ITERS="$ITERS" LIMIT="${LIMIT:-240}" \
+    bash "$HERE/gpu_offload_large.sh" > "$OUT/engine.log" 2>&1
+row "this engine" "$OUT/gpt-6.7b.jsonl"
+
+echo "== 2. megatron-core --optimizer-cpu-offload, fractions $FRACTIONS" | tee -a "$SUMMARY"
+for f in $FRACTIONS; do
+  OUT="$OUT" MODEL=6.7b TIERS=mcore FRACTION="$f" NAME="mcore-$f" GBS="${GBS:-64}" \
+      ITERS="$ITERS" LIMIT="$TRY_LIMIT" bash "$HERE/gpu_offload_large.sh" > "$OUT/mcore-$f.log" 2>&1
+  row "megatron-core fraction $f" "$OUT/mcore-$f.jsonl"
+  tail -1 "$SUMMARY" | grep -q "did not train" || break
+  grep -h -m1 -E "^error|OutOfMemory|out of memory|Killed" "$OUT/mcore-$f.txt" "$OUT/mcore-$f.log" \
+      2>/dev/null | head -1 | sed 's/^/   /' | tee -a "$SUMMARY"
+done
+
+echo "== 3. DeepSpeed ZeRO-3 --offload $DS_OFFLOAD, shapes $DS_SHAPES" | tee -a "$SUMMARY"
+bash .peers/deepspeed/setup_on_gpu.sh > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
+for shape in $DS_SHAPES; do
+  IFS=x read -r layers hidden heads <<< "$shape"
+  swap=/var/tmp/deepspeed-swap; rm -rf "$swap"; mkdir -p "$swap"
+  timeout "$TRY_LIMIT" python3 .peers/deepspeed/zero_infinity_bench.py --offload "$DS_OFFLOAD" \
+      --nvme-path "$swap" --layers "$layers" --hidden "$hidden" --heads "$heads" --vocab 32000 \
+      --seq 2048 --micro-batch 1 --activation-checkpointing --warmup 1 --steps "$((ITERS - 1))" \
+      > "$OUT/deepspeed-$shape.txt" 2>&1
+  rc=$?
+  rm -rf "$swap"
+  last=$(grep -E '^\{' "$OUT/deepspeed-$shape.txt" | tail -1)
+  if [ "$rc" = 0 ] && [ -n "$last" ]; then
+    echo "DeepSpeed $shape: $last" | tee -a "$SUMMARY"
+    break
+  fi
+  echo "DeepSpeed $shape: failed (rc $rc): $(grep -m1 -E "Error|error|Killed" \
+      "$OUT/deepspeed-$shape.txt" | cut -c1-200)" | tee -a "$SUMMARY"
+done
