@@ -3,8 +3,13 @@
 OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/mext-site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+# Once per set of wheels (drivers that call other drivers source this again).
+STAMP="$(ls -l .whl/*.whl | md5sum | cut -c1-32)"
+if [ "$(cat /tmp/mext-site/.wheels 2>/dev/null)" != "$STAMP" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/mext-site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+  echo "$STAMP" > /tmp/mext-site/.wheels
+fi
 export PYTHONPATH="/tmp/mext-site${PYTHONPATH:+:$PYTHONPATH}"
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
