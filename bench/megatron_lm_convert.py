@@ -212,9 +212,12 @@ def _source_of(name):
 
 
 def _iteration_dir(directory):
-    with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as f:
+    from megatron_ext.training.checkpoint import TRACKER, checkpoint_name
+
+    with open(os.path.join(directory, TRACKER)) as f:
         tag = f.read().strip()
-    return os.path.join(directory, tag if tag == "release" else f"iter_{int(tag):07d}")
+    return os.path.join(directory, "release") if tag == "release" else checkpoint_name(
+        directory, int(tag))
 
 
 def verify(load_dir, save_dir) -> bool:
@@ -281,9 +284,9 @@ def main() -> None:
     flags = [f for f in flags if f not in ("--cpu", "--verify")]
     sys.path[:0] = [os.path.dirname(script), mlm, os.path.dirname(HERE)]
     if cpu:
-        from megatron_lm_launch import _cpu_stand_ins
+        from megatron_lm_launch import cpu_stand_ins
 
-        _cpu_stand_ins()
+        cpu_stand_ins()
     _apply_fixes()
     failed = _checked_join()
     sys.argv = [script, *flags]

@@ -42,7 +42,12 @@ import sys
 import torch
 
 
-def _cpu_stand_ins() -> None:
+def cpu_stand_ins() -> None:
+    """Megatron-LM on a machine without a GPU.
+
+    This project's CUDA-to-CPU layer, one-process torchrun variables, and stand-ins for the
+    torch.cuda calls Megatron-LM makes itself.
+    """
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -121,7 +126,7 @@ def main() -> None:
     cpu = "--cpu" in flags
     flags = [f for f in flags if f != "--cpu"]
     if cpu:
-        _cpu_stand_ins()
+        cpu_stand_ins()
         flags += ["--distributed-backend", "gloo", "--no-bias-swiglu-fusion",
                   "--no-bias-dropout-fusion"]
     _optimizer_resume_fixes()
