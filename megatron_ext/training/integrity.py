@@ -446,7 +446,9 @@ def _safe_torch_load(source, where: str, what: str):
         raise UsageError(f"{where}: the {what} holds objects outside the allowed types, which "
                          f"could run code when loaded; refusing it ({found.group(0).strip()[:200]})"
                          ) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - damaged bytes fail the unpickler anywhere
+        # Random bytes reach the unpickler's internals (IndexError, KeyError, TypeError,
+        # struct.error, ...) as often as its own errors; every one means the same thing.
         raise UsageError(f"{where}: the {what} cannot be read ({type(err).__name__}: "
                          f"{str(err).splitlines()[0][:160] if str(err) else 'truncated'}); "
                          "the checkpoint is damaged") from None

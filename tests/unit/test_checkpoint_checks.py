@@ -154,3 +154,35 @@ def test_tools_read_megatron_lms_args_with_torch_dtypes():
                        "optimizer": dict(use_precision_aware_optimizer=True,
                                          exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")}}
     assert standalone.run_config(ours).optimizer.exp_avg_dtype == "fp32"
+
+
+@pytest.mark.parametrize("zipfile", [False, True])
+def test_random_bytes_in_a_pickle_are_always_a_damaged_checkpoint(zipfile):
+    """Random bytes over a pickled object fail the unpickler in many ways (IndexError, KeyError,
+    struct.error, ...): every one is the same one-line "damaged" refusal. CI once met an
+    IndexError that slipped through; 200 seeded patterns cover the usual ones."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"random_rng_state": (3, tuple(range(625)), None), "iteration": 4}, buf,
+               _use_new_zipfile_serialization=zipfile)
+    clean = buf.getvalue()
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for seed in range(200):
+        damaged = bytearray(clean)
+        start = int(rng.integers(0, len(clean) - 16))
+        length = int(rng.integers(1, min(256, len(clean) - start)))
+        damaged[start:start + length] = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+        try:
+            integrity._safe_torch_load(io.BytesIO(bytes(damaged)), f"pattern {seed}", "state")
+        except UsageError as err:
+            text = str(err)
+            assert "\n" not in text and text.startswith(f"pattern {seed}: the state ")
+            assert "cannot be read" in text or "outside the allowed types" in text
+            kinds.add(text.split("(", 1)[1].split(":", 1)[0])
+        # A pattern that still unpickles (damage inside a number) is not an error here:
+        # the manifest's checksums catch that when the checkpoint has one.
+    assert len(kinds) >= 2, kinds
