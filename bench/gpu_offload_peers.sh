@@ -9,10 +9,16 @@
 #   3. DeepSpeed ZeRO-3 (the bundle's zero_infinity_bench.py, --offload DS_OFFLOAD: cpu or
 #      nvme on the root disk), each LAYERSxHIDDENxHEADS of DS_SHAPES from the first until one
 #      trains (the largest GPT it trains here), seq 2048, micro-batch 1, its own untied GPT.
+#      The 13B shape is not tried by default: ZeRO-3's CPU offload keeps ~16 bytes per
+#      parameter in host memory (fp32 master, two moments, fp32 gradients): 204 GB for
+#      12.76B against 125 GiB here, and its NVMe offload would need 153 GB on a 64 GiB disk.
 # Rows 1 and 2: global batch GBS (default 64) of micro-batch 1, full recompute, bf16 with
 # --grad-reduce-in-bf16 (bf16 gradient buffer, as the large rows); the DeepSpeed bundle has
 # no gradient accumulation, so its rows step per micro-batch: compare tokens/s.
-# Each try has its own time limit (LIMIT for this engine, TRY_LIMIT for each peer try).
+# Each try has its own time limit (LIMIT for this engine, TRY_LIMIT for each peer try), cut
+# to what is left of DEADLINE seconds (default 570: the whole script fits one 600 s device
+# command); a try with less than MIN_TRY seconds left (default 90) is not started and the
+# summary says so.
 # Writes $OUT/{gpt-6.7b,mcore-F}.{jsonl,txt}, $OUT/deepspeed-SHAPE.txt, $OUT/summary.txt.
 # Usage (repository root, on the GPU machine; carry .whl and .peers):
 #   OUT=/dir bash bench/gpu_offload_peers.sh
@@ -22,10 +28,19 @@ OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
 ITERS="${ITERS:-3}"
 FRACTIONS="${FRACTIONS:-1.0 0.9 0.8 0.7 0.6 0.5}"
-DS_SHAPES="${DS_SHAPES:-40x5120x40 32x4096x32 24x4096x32 24x2048x16}"
+DS_SHAPES="${DS_SHAPES:-36x4096x32 32x4096x32 24x4096x32 24x2048x16}"
 DS_OFFLOAD="${DS_OFFLOAD:-cpu}"
-TRY_LIMIT="${TRY_LIMIT:-240}"
+TRY_LIMIT="${TRY_LIMIT:-200}"
+DEADLINE="${DEADLINE:-570}"
+MIN_TRY="${MIN_TRY:-90}"
 SUMMARY="$OUT/summary.txt"
+START=$SECONDS
+
+limit() {  # limit WANT: WANT seconds, or what is left before DEADLINE; empty when too little
+  local left=$((DEADLINE - (SECONDS - START)))
+  if [ "$left" -lt "$MIN_TRY" ]; then return 1; fi
+  if [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
+}
 
 row() {  # row NAME JSONL: the mean step of the iterations after the first
   python3 - "$1" "$2" <<'EOF' | tee -a "$SUMMARY"
@@ -49,14 +64,16 @@ EOF
 
 : > "$SUMMARY"
 echo "== 1. this engine, the 6.7B GPT in its tiers" | tee -a "$SUMMARY"
-OUT="$OUT" MODEL=6.7b GBS="${GBS:-64}" ITERS="$ITERS" LIMIT="${LIMIT:-240}" \
+OUT="$OUT" MODEL=6.7b GBS="${GBS:-64}" ITERS="$ITERS" LIMIT="$(limit "${LIMIT:-200}")" \
     bash "$HERE/gpu_offload_large.sh" > "$OUT/engine.log" 2>&1
 row "this engine" "$OUT/gpt-6.7b.jsonl"
 
 echo "== 2. megatron-core --optimizer-cpu-offload, fractions $FRACTIONS" | tee -a "$SUMMARY"
 for f in $FRACTIONS; do
+  t=$(limit "$TRY_LIMIT") || { echo "megatron-core fraction $f: not tried (DEADLINE)" |
+                               tee -a "$SUMMARY"; break; }
   OUT="$OUT" MODEL=6.7b TIERS=mcore FRACTION="$f" NAME="mcore-$f" GBS="${GBS:-64}" \
-      ITERS="$ITERS" LIMIT="$TRY_LIMIT" bash "$HERE/gpu_offload_large.sh" > "$OUT/mcore-$f.log" 2>&1
+      ITERS="$ITERS" LIMIT="$t" bash "$HERE/gpu_offload_large.sh" > "$OUT/mcore-$f.log" 2>&1
   row "megatron-core fraction $f" "$OUT/mcore-$f.jsonl"
   tail -1 "$SUMMARY" | grep -q "did not train" || break
   grep -h -m1 -E "^error|OutOfMemory|out of memory|Killed" "$OUT/mcore-$f.txt" "$OUT/mcore-$f.log" \
@@ -66,9 +83,11 @@ done
 echo "== 3. DeepSpeed ZeRO-3 --offload $DS_OFFLOAD, shapes $DS_SHAPES" | tee -a "$SUMMARY"
 bash .peers/deepspeed/setup_on_gpu.sh > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
 for shape in $DS_SHAPES; do
+  t=$(limit "$TRY_LIMIT") || { echo "DeepSpeed $shape: not tried (DEADLINE)" |
+                               tee -a "$SUMMARY"; break; }
   IFS=x read -r layers hidden heads <<< "$shape"
   swap=/var/tmp/deepspeed-swap; rm -rf "$swap"; mkdir -p "$swap"
-  timeout "$TRY_LIMIT" python3 .peers/deepspeed/zero_infinity_bench.py --offload "$DS_OFFLOAD" \
+  timeout "$t" python3 .peers/deepspeed/zero_infinity_bench.py --offload "$DS_OFFLOAD" \
       --nvme-path "$swap" --layers "$layers" --hidden "$hidden" --heads "$heads" --vocab 32000 \
       --seq 2048 --micro-batch 1 --activation-checkpointing --warmup 1 --steps "$((ITERS - 1))" \
       > "$OUT/deepspeed-$shape.txt" 2>&1
@@ -82,3 +101,4 @@ for shape in $DS_SHAPES; do
   echo "DeepSpeed $shape: failed (rc $rc): $(grep -m1 -E "Error|error|Killed" \
       "$OUT/deepspeed-$shape.txt" | cut -c1-200)" | tee -a "$SUMMARY"
 done
+echo "total $((SECONDS - START)) s" | tee -a "$SUMMARY"
