@@ -20,7 +20,7 @@ import json
 import os
 import signal
 import sys
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -146,7 +146,8 @@ def load_sentencepiece(model_path: str, flag: str = "--tokenizer-model", num_thr
                         "train one with tools/train_tokenizer.py") from None
 
 
-def parse_json_line(raw: Union[bytes, str], keys: Sequence[str]) -> Union[Dict[str, str], str]:
+def parse_json_line(raw: Union[bytes, str], keys: Sequence[str], allow_lists: bool = False
+                    ) -> Union[Dict[str, Union[str, List[str]]], str]:
     """Parses one jsonl line and picks the string values of ``keys``.
 
     Pure: returns either the values or a message saying what is wrong with the line, so
@@ -155,6 +156,8 @@ def parse_json_line(raw: Union[bytes, str], keys: Sequence[str]) -> Union[Dict[s
     Args:
         raw: the line, with or without its trailing newline.
         keys: the keys that must be present and hold strings.
+        allow_lists: an array of strings is a value too (Megatron-LM's preprocess_data.py
+            takes it as the document's sentences), returned as a list.
 
     Returns:
         ``{key: text}`` on success, else a one-line error message (a ``str``).
@@ -175,8 +178,14 @@ def parse_json_line(raw: Union[bytes, str], keys: Sequence[str]) -> Union[Dict[s
             present = ", ".join(f'"{k}"' for k in list(record)[:5]) or "none"
             return f'missing key "{key}" (keys present: {present})'
         value = record[key]
-        if not isinstance(value, str):
-            return f'value of key "{key}" is {_json_type_name(value)}, expected a string'
+        if allow_lists and isinstance(value, list):
+            for index, element in enumerate(value):
+                if not isinstance(element, str):
+                    return (f'element {index} of key "{key}" is {_json_type_name(element)}, '
+                            "expected a string (an array holds the document's sentences)")
+        elif not isinstance(value, str):
+            expected = "a string or an array of strings" if allow_lists else "a string"
+            return f'value of key "{key}" is {_json_type_name(value)}, expected {expected}'
         values[key] = value
     return values
 

@@ -4,8 +4,11 @@ Flags and output names follow Megatron-LM's ``tools/preprocess_data.py``: for ea
 key K the output is ``{output_prefix}_{K}_document.bin`` and ``.idx``, which
 ``megatron.core.datasets.indexed_dataset.IndexedDataset("{output_prefix}_{K}_document")``
 reads back, one document per input line, with the tokenizer's ids (and the end-of-document
-id when ``--append-eod`` is given). A line whose text has no token and gets no EOD (an
-empty text without ``--append-eod``) is left out and counted.
+id when ``--append-eod`` is given). The documents are Megatron-LM's, byte for byte: a text
+is one sequence; an array of strings is the document's sentences, one sequence each (empty
+ones left out), the EOD after the last; a document with no token (an empty text or array)
+is a document of no sequence, without EOD. ``--partitions N`` orders the documents as
+Megatron-LM's N partitions merged (line i of the inputs in partition i mod N).
 
 How the work is split: the main process reads the input in chunks of lines and hands them
 to a pool of worker processes; each worker parses JSON and tokenizes a whole chunk and
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import itertools
 import os
 import signal
@@ -97,14 +101,19 @@ class Chunk:
     file_index: int
     first_line: int  # 1-based line number of lines[0]
     lines: List[bytes]
+    stride: int = 1  # lines[k] is line first_line + k * stride (--partitions)
+
+    def line_number(self, offset: int) -> int:
+        return self.first_line + offset * self.stride
 
 
 @dataclass
 class ChunkResult:
     """A tokenized chunk; arrays rather than lists of lists, because they pickle fast.
 
-    For each json key: ``tokens[key]`` is the ids of the chunk's kept documents one after
-    the other, and ``lengths[key]`` the number of ids of each.
+    For each json key: ``tokens[key]`` is the ids of the chunk's documents one after the
+    other, ``lengths[key]`` the number of ids of each sequence, and ``sequences[key]`` the
+    number of sequences of each document (0 for a document with no token).
     """
 
     file_index: int
@@ -113,74 +122,132 @@ class ChunkResult:
     num_bytes: int
     tokens: Dict[str, np.ndarray] = field(default_factory=dict)
     lengths: Dict[str, np.ndarray] = field(default_factory=dict)
+    sequences: Dict[str, np.ndarray] = field(default_factory=dict)
     empty_documents: Dict[str, int] = field(default_factory=dict)
     errors: List[Tuple[int, str]] = field(default_factory=list)  # (line number, message)
 
 
 def encode_chunk(tokenizer, chunk: Chunk, keys: Sequence[str],
                  eod_id: Optional[int]) -> ChunkResult:
-    """Parses and tokenizes every line of ``chunk``.
+    """Parses and tokenizes every line of ``chunk``, as Megatron-LM's ``Encoder.encode``.
 
     Args:
         tokenizer: a :mod:`megatron_ext.data.tokenizer` tokenizer (``tokenize_batch``).
         chunk: the lines to process.
         keys: the json keys to tokenize, each one a separate output dataset.
-        eod_id: appended to every document when not ``None`` (``--append-eod``).
+        eod_id: appended to every document that has a token when not ``None``
+            (``--append-eod``).
 
     Returns:
-        The ids, the lengths and the malformed lines of the chunk. A document with no
-        ids (empty text, no EOD) is left out and counted: it would be a document of no
-        sequence, and megatron-core's GPTDataset counts sequences.
+        The ids, the sequence lengths, the sequences per document and the malformed lines
+        of the chunk. A value that is an array of strings is the document's sentences: one
+        sequence each, empty ones left out, the EOD after the last. A document with no token
+        is kept as a document of no sequence (what Megatron-LM writes) and counted.
     """
     result = ChunkResult(chunk.file_index, chunk.first_line, len(chunk.lines),
                          sum(len(line) for line in chunk.lines))
-    texts: Dict[str, List[str]] = {key: [] for key in keys}
+    records: List[Tuple[int, dict]] = []
     for offset, raw in enumerate(chunk.lines):
-        parsed = parse_json_line(raw, keys)
+        parsed = parse_json_line(raw, keys, allow_lists=True)
         if isinstance(parsed, str):
-            result.errors.append((chunk.first_line + offset, parsed))
-            continue
-        for key in keys:
-            texts[key].append(parsed[key])
+            result.errors.append((chunk.line_number(offset), parsed))
+        else:
+            records.append((chunk.line_number(offset), parsed))
+    encoded = _tokenize_records(tokenizer, records, keys, result.errors)
     for key in keys:
-        # One batch call: the per-call overhead of the C++ side is paid once per chunk.
-        docs = tokenizer.tokenize_batch(texts[key]) if texts[key] else []
+        docs = [doc[key] for doc in encoded]
         if eod_id is not None:
-            for ids in docs:
-                ids.append(eod_id)
-        lengths = np.fromiter((len(ids) for ids in docs), dtype=np.int64, count=len(docs))
-        total = int(lengths.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int32, count=total)
-        kept = lengths > 0
-        result.empty_documents[key] = int(len(docs) - kept.sum())
-        result.lengths[key] = lengths[kept]
-        result.tokens[key] = flat
+            for sentences in docs:
+                if sentences:
+                    sentences[-1].append(eod_id)
+        sequences = np.fromiter((len(doc) for doc in docs), dtype=np.int64, count=len(docs))
+        seq_ids = [ids for doc in docs for ids in doc]
+        lengths = np.fromiter((len(ids) for ids in seq_ids), dtype=np.int64,
+                              count=len(seq_ids))
+        result.tokens[key] = np.fromiter(itertools.chain.from_iterable(seq_ids),
+                                         dtype=np.int32, count=int(lengths.sum()))
+        result.lengths[key] = lengths
+        result.sequences[key] = sequences
+        result.empty_documents[key] = int((sequences == 0).sum())
     return result
 
 
+def _tokenize_records(tokenizer, records: List[Tuple[int, dict]], keys: Sequence[str],
+                      errors: List[Tuple[int, str]]) -> List[Dict[str, List[List[int]]]]:
+    """Each record's non-empty sentences' ids per key; a text the tokenizer refuses is an
+    error of its line (the record is left out)."""
+    def sentences(value) -> List[str]:
+        return [value] if isinstance(value, str) else value
+
+    texts = [text for _, record in records for key in keys for text in sentences(record[key])]
+    try:
+        # One batch call: the per-call overhead of the C++ side is paid once per chunk.
+        ids = tokenizer.tokenize_batch(texts) if texts else []
+    except Exception:  # noqa: BLE001 - find the line, report the tokenizer's own message
+        ids = None
+    out: List[Dict[str, List[List[int]]]] = []
+    position = 0
+    bad = []
+    for line_number, record in records:
+        doc: Dict[str, List[List[int]]] = {}
+        try:
+            for key in keys:
+                parts = sentences(record[key])
+                if ids is None:
+                    encoded = tokenizer.tokenize_batch(parts) if parts else []
+                else:
+                    encoded = ids[position:position + len(parts)]
+                    position += len(parts)
+                doc[key] = [piece if isinstance(piece, list) else list(piece)
+                            for piece in encoded if len(piece) > 0]
+        except Exception as err:  # noqa: BLE001
+            message = " ".join(str(err).split())[:160] or "no message"
+            bad.append((line_number, f"the tokenizer cannot encode this text "
+                                     f"({type(err).__name__}: {message})"))
+            continue
+        out.append(doc)
+    if bad:
+        errors.extend(bad)
+        errors.sort()
+    return out
+
+
+def _open_input(path: str):
+    """The input as a binary stream; ``.gz`` files are read through gzip."""
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
 def iter_chunks(paths: Sequence[str], chunk_lines: int,
-                chunk_bytes: int = CHUNK_MAX_BYTES) -> Iterator[Chunk]:
+                chunk_bytes: int = CHUNK_MAX_BYTES, partitions: int = 1,
+                partition: int = 0) -> Iterator[Chunk]:
     """Reads ``paths`` in order and cuts them into chunks of whole lines.
 
     Lines are kept as bytes: workers decode them, so the main process does no per-line
     work besides splitting at b"\\n". A chunk never spans two files, so its line numbers
-    are that file's.
+    are that file's. With ``partitions`` > 1 only the lines of Megatron-LM's partition
+    ``partition`` are read: line i of all the inputs together (from 0) when i mod
+    ``partitions`` is ``partition``.
     """
+    index = 0  # the line's position in all the inputs together
     for file_index, path in enumerate(paths):
         lines: List[bytes] = []
         size = 0
         first_line = 1
-        with open(path, "rb") as stream:
+        with _open_input(path) as stream:
             for line_number, raw in enumerate(stream, start=1):
+                mine = index % partitions == partition
+                index += 1
+                if not mine:
+                    continue
                 if not lines:
                     first_line = line_number
                 lines.append(raw)
                 size += len(raw)
                 if len(lines) >= chunk_lines or size >= chunk_bytes:
-                    yield Chunk(file_index, first_line, lines)
+                    yield Chunk(file_index, first_line, lines, partitions)
                     lines, size = [], 0
         if lines:
-            yield Chunk(file_index, first_line, lines)
+            yield Chunk(file_index, first_line, lines, partitions)
 
 
 # Worker-process state, set once per worker by _init_worker: loading the model per chunk
@@ -250,6 +317,7 @@ class DatasetWriter:
         self._tmp_prefixes = {key: temporary_path(p) for key, p in prefixes.items()}
         self._builders: Optional[dict] = None
         self.documents = {key: 0 for key in prefixes}
+        self.sequences = {key: 0 for key in prefixes}
         self.tokens = {key: 0 for key in prefixes}
         self.dtype = None
 
@@ -270,17 +338,20 @@ class DatasetWriter:
 
     def add(self, result: ChunkResult) -> None:
         """Appends the documents of a tokenized chunk."""
-        if not any(len(lengths) for lengths in result.lengths.values()):
+        if not any(len(sequences) for sequences in result.sequences.values()):
             return
         if self._builders is None:
             self._open()
         for key, builder in self._builders.items():
-            tokens, lengths = result.tokens[key], result.lengths[key]
-            start = 0
-            for length in lengths.tolist():
-                builder.add_document(tokens[start:start + length], [length])
-                start += length
-            self.documents[key] += len(lengths)
+            tokens, lengths = result.tokens[key], result.lengths[key].tolist()
+            start = first = 0
+            for count in result.sequences[key].tolist():
+                doc_lengths = lengths[first:first + count]
+                end = start + sum(doc_lengths)
+                builder.add_document(tokens[start:end], doc_lengths)
+                start, first = end, first + count
+            self.documents[key] += len(result.sequences[key])
+            self.sequences[key] += len(lengths)
             self.tokens[key] += start
 
     def commit(self) -> List[str]:
@@ -369,9 +440,23 @@ def build_parser() -> ToolArgumentParser:
                        help="keys to tokenize; each key becomes its own dataset "
                             "{output-prefix}_{KEY}_document (default: %(default)s)")
     group.add_argument("--on-error", choices=["fail", "skip"], default="fail",
-                       help="a malformed line (invalid JSON, missing key, value not a "
-                            "string): fail stops with its file:line and writes nothing; skip "
+                       help="a malformed line (invalid JSON, missing key, value neither a "
+                            "string nor an array of strings, text the tokenizer cannot "
+                            "encode): fail stops with its file:line and writes nothing; skip "
                             "warns, leaves the line out and counts it (default: %(default)s)")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="Megatron-LM's NLTK sentence splitting: refused here (Megatron-LM "
+                            "downloads NLTK's punkt model when it starts, and nothing is "
+                            "downloaded here). Give each document as an array of sentences "
+                            "instead: each becomes its own sequence, as Megatron-LM does")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="Megatron-LM's option of --split-sentences (keeps newlines "
+                            "between sentences); without --split-sentences it does nothing "
+                            "there either, so it is accepted for Megatron-LM command lines")
+    group.add_argument("--lang", default="english",
+                       help="Megatron-LM's NLTK language for --split-sentences; as "
+                            "--keep-newlines, it does nothing without it (default: "
+                            "%(default)s)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
                        default="GPTSentencePieceTokenizer",
@@ -416,7 +501,22 @@ def build_parser() -> ToolArgumentParser:
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=positive_int, default=1, metavar="N",
                        help="tokenizing processes, besides the main process that reads and "
-                            "writes; the output does not depend on N (default: %(default)s)")
+                            "writes; the output does not depend on N (default: %(default)s; "
+                            "Megatron-LM requires the flag)")
+    group.add_argument("--partitions", type=positive_int, default=1, metavar="N",
+                       help="Megatron-LM's input partitions: the output holds the documents "
+                            "in the order Megatron-LM's merged N partitions do (line i of the "
+                            "inputs, counted across files from 0, in partition i mod N; the "
+                            "partitions one after another), so both tools write the same "
+                            "files (with several input files, Megatron-LM takes them in "
+                            "glob's file-system order, this tool in sorted order). Unlike "
+                            "Megatron-LM, no partition files are written, "
+                            "--workers alone sets the parallelism, and the input is read N "
+                            "times (default: %(default)s)")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="Megatron-LM's contiguous partitions (the first ceil(lines / N) "
+                            "lines in partition 0, ...): the documents stay in input order, "
+                            "as with --partitions 1")
     group.add_argument("--chunk-lines", type=positive_int, default=256, metavar="N",
                        help="lines per task sent to a worker; a task also ends at "
                             f"{CHUNK_MAX_BYTES // (1 << 20)} MiB (default: %(default)s)")
@@ -449,6 +549,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         ToolError: bad input; ``run_tool`` prints it and exits with status 2.
     """
     args = build_parser().parse_args(argv)
+    if args.split_sentences:
+        raise ToolError("--split-sentences is not supported: Megatron-LM splits with NLTK's "
+                        "punkt model, which it downloads at start-up, and nothing is "
+                        "downloaded here; give each document's sentences as a JSON array "
+                        "(each becomes its own sequence, as Megatron-LM does) and drop the flag")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ToolError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
     paths = expand_inputs(args.input)
@@ -495,14 +600,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     steady_ahead = CHUNKS_AHEAD_PER_WORKER * args.workers
     committed = False
     try:
-        for chunk in iter_chunks(paths, args.chunk_lines):
+        partitions = 1 if args.keep_sequential_samples else args.partitions
+        chunks = itertools.chain.from_iterable(
+            iter_chunks(paths, args.chunk_lines, partitions=partitions, partition=p)
+            for p in range(partitions))
+        for chunk in chunks:
             pending.append(executor.submit(_encode_chunk_in_worker, chunk))
             while len(pending) >= (steady_ahead if writer.is_open
                                    else max(steady_ahead, CHUNKS_AHEAD_AT_START)):
                 write(pending.popleft().result())
         while pending:
             write(pending.popleft().result())
-        if sum(writer.documents.values()) == 0:
+        if sum(writer.sequences.values()) == 0:
             raise ToolError(f"no document to write: the {progress.documents} input lines "
                             "were all malformed or empty; check --input and --json-keys")
         written = writer.commit()
@@ -522,8 +631,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     log(f"done: {progress.documents} documents in {progress.elapsed():.1f} s "
         f"({progress.rates()})")
     for key in args.json_keys:
-        log(f"  {prefixes[key]}: {writer.documents[key]} documents, {writer.tokens[key]} "
-            f"tokens ({np.dtype(writer.dtype).name}); {empty[key]} empty documents skipped")
+        log(f"  {prefixes[key]}: {writer.documents[key]} documents, {writer.sequences[key]} "
+            f"sequences, {writer.tokens[key]} tokens ({np.dtype(writer.dtype).name}); "
+            f"{empty[key]} empty documents (no sequence, as Megatron-LM writes them)")
     if malformed:
         log(f"skipped {malformed} malformed line(s) (--on-error skip)")
     log("wrote " + ", ".join(written))

@@ -54,19 +54,30 @@ def _outputs(prefix):
     return sorted(glob.glob(f"{prefix}*"))
 
 
-def _expected_ids(model_path, texts, append_eod):
+def _expected_docs(model_path, values, append_eod):
+    """Megatron-LM's rule (its Encoder.encode): a string is one sentence, an array its
+    sentences; each non-empty sentence is a sequence; the EOD goes after the last one of a
+    document that has any; a document without token has no sequence."""
     sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
-    docs = [ids + [EOD] if append_eod else ids for ids in sp.encode(texts)]
-    return [ids for ids in docs if ids]
+    docs = []
+    for value in values:
+        sentences = [value] if isinstance(value, str) else value
+        doc = [ids for ids in (sp.encode(text) for text in sentences) if ids]
+        if doc and append_eod:
+            doc[-1] = doc[-1] + [EOD]
+        docs.append(doc)
+    return docs
 
 
-def _assert_dataset_equals(prefix, expected):
+def _assert_dataset_equals(prefix, expected_docs):
     dataset = _indexed_dataset(prefix)
-    assert len(dataset) == len(expected)
+    sequences = [ids for doc in expected_docs for ids in doc]
+    assert len(dataset) == len(sequences)
     assert dataset[0].dtype == np.uint16  # DType.optimal_dtype for a vocabulary < 65500
-    for index, ids in enumerate(expected):
-        assert dataset[index].tolist() == ids, f"document {index}"
-    np.testing.assert_array_equal(dataset.document_indices, np.arange(len(expected) + 1))
+    for index, ids in enumerate(sequences):
+        assert dataset[index].tolist() == ids, f"sequence {index}"
+    np.testing.assert_array_equal(dataset.document_indices,
+                                  np.cumsum([0] + [len(doc) for doc in expected_docs]))
 
 
 # Malformed lines mixed into the round-trip input (run with --on-error skip): more than
@@ -128,10 +139,10 @@ def test_roundtrip_gives_back_the_tokenizer_ids(preprocessed, roundtrip_input, t
     for key in ("text", "source"):
         prefix = f"{output_prefix}_{key}_document"
         assert _outputs(f"{output_prefix}_{key}") == [prefix + ".bin", prefix + ".idx"]
-        expected = _expected_ids(tiny_tokenizer, [r[key] for r in records], append_eod=True)
+        expected = _expected_docs(tiny_tokenizer, [r[key] for r in records], append_eod=True)
         if key == "text":
-            # With --append-eod an empty text is a document of just the EOD.
-            assert expected.count([EOD]) == 2
+            # An empty text is a document of no sequence, even with --append-eod.
+            assert expected.count([]) == 2
         _assert_dataset_equals(prefix, expected)
 
 
@@ -142,7 +153,7 @@ def test_on_error_skip_warns_counts_and_continues(preprocessed, workers):
     assert warned[0].endswith('data.jsonl:6: missing key "text" (keys present: "source"); '
                               "skipping the line")
     assert warned[1].endswith('data.jsonl:12: value of key "text" is a number, expected a '
-                              "string; skipping the line")
+                              "string or an array of strings; skipping the line")
     assert len(warned) == 21  # 20 shown, then one line saying the rest are only counted
     assert f"skipped {NUM_MALFORMED} malformed line(s)" in stderr
     # Progress is reported per chunk: the first line after 50 documents.
@@ -158,20 +169,119 @@ def test_output_does_not_depend_on_workers(preprocessed):
                 assert a.read() == b.read(), f"{key}{suffix} differs between 1 and 2 workers"
 
 
-def test_encode_chunk_reports_lines_and_drops_empty_documents(tiny_tokenizer):
+def test_encode_chunk_reports_lines_and_keeps_empty_documents_without_sequences(
+        tiny_tokenizer):
     sp = sentencepiece.SentencePieceProcessor(model_file=tiny_tokenizer)
-    lines = [b'{"text": "a b"}\n', b'{"text": ""}\n', b'not json\n', b'{"text": "c"}']
+    lines = [b'{"text": "a b"}\n', b'{"text": ""}\n', b'not json\n', b'{"text": "c"}\n',
+             b'{"text": ["d e", "", "f"]}\n', b'{"text": []}']
     tokenizer = GPTSentencePieceTokenizer(tiny_tokenizer)
     result = encode_chunk(tokenizer, Chunk(0, 11, lines), ["text"], eod_id=None)
     assert result.errors == [(13, "invalid JSON (Expecting value: line 1 column 1 (char 0))")]
-    assert result.empty_documents == {"text": 1}
-    assert result.lengths["text"].tolist() == [len(sp.encode("a b")), len(sp.encode("c"))]
-    assert result.tokens["text"].tolist() == sp.encode("a b") + sp.encode("c")
-    assert result.num_lines == 4 and result.num_bytes == sum(map(len, lines))
+    assert result.empty_documents == {"text": 2}
+    assert result.sequences["text"].tolist() == [1, 0, 1, 2, 0]
+    pieces = [sp.encode(t) for t in ("a b", "c", "d e", "f")]
+    assert result.lengths["text"].tolist() == [len(p) for p in pieces]
+    assert result.tokens["text"].tolist() == sum(pieces, [])
+    assert result.num_lines == 6 and result.num_bytes == sum(map(len, lines))
+    # The EOD ends each document that has a token (after its last sentence), as in
+    # Megatron-LM; an empty document stays a document of no sequence.
     with_eod = encode_chunk(tokenizer, Chunk(0, 11, lines), ["text"], eod_id=EOD)
-    assert with_eod.empty_documents == {"text": 0}
-    assert with_eod.lengths["text"].tolist() == [len(sp.encode("a b")) + 1, 1,
-                                                 len(sp.encode("c")) + 1]
+    assert with_eod.empty_documents == {"text": 2}
+    assert with_eod.sequences["text"].tolist() == [1, 0, 1, 2, 0]
+    assert with_eod.lengths["text"].tolist() == [len(pieces[0]) + 1, len(pieces[1]) + 1,
+                                                 len(pieces[2]), len(pieces[3]) + 1]
+
+
+def test_array_values_and_empty_documents_end_to_end(tmp_path, tiny_tokenizer):
+    values = ["x = 1", "", ["def f():", "", "    return 2"], [], ["", ""], "y"]
+    data = _write_jsonl(tmp_path / "data.jsonl", [{"text": v} for v in values])
+    for eod in (True, False):
+        prefix = tmp_path / f"eod{eod}"
+        run = run_tool("preprocess_data.py", "--input", data, "--output-prefix", prefix,
+                       "--tokenizer-model", tiny_tokenizer, *(["--append-eod"] if eod else []))
+        assert_ok(run)
+        assert "6 documents, 4 sequences" in run.stderr
+        assert "3 empty documents (no sequence" in run.stderr
+        _assert_dataset_equals(f"{prefix}_text_document",
+                               _expected_docs(tiny_tokenizer, values, append_eod=eod))
+
+
+def _texts(tmp_path, name, count):
+    return _write_jsonl(tmp_path / name, [{"text": f"{name} line {i}"} for i in range(count)])
+
+
+@pytest.mark.parametrize("partitions, sequential", [(3, False), (2, False), (3, True)])
+def test_partitions_order_the_documents_as_megatron_lm_merges_them(tmp_path, tiny_tokenizer,
+                                                                    partitions, sequential):
+    """Megatron-LM's --partitions N puts line i of all the inputs (counted on across files)
+    in partition i mod N, or in contiguous blocks with --keep-sequential-samples, and merges
+    the partitions in order."""
+    paths = [_texts(tmp_path, "a.jsonl", 7), _texts(tmp_path, "b.jsonl", 4)]
+    values = [json.loads(line)["text"] for p in paths for line in open(p, encoding="utf-8")]
+    if sequential:
+        order = values
+    else:
+        order = [v for p in range(partitions) for i, v in enumerate(values)
+                 if i % partitions == p]
+    prefix = tmp_path / "ds"
+    run = run_tool("preprocess_data.py", "--input", str(tmp_path / "*.jsonl"),
+                   "--output-prefix", prefix, "--tokenizer-model", tiny_tokenizer,
+                   "--append-eod", "--partitions", partitions, "--workers", 2,
+                   "--chunk-lines", 2, *(["--keep-sequential-samples"] if sequential else []))
+    assert_ok(run)
+    assert order != values or sequential
+    _assert_dataset_equals(f"{prefix}_text_document",
+                           _expected_docs(tiny_tokenizer, order, append_eod=True))
+
+
+def test_partition_chunks_keep_their_line_numbers(tmp_path):
+    paths = [_texts(tmp_path, "a.jsonl", 5), _texts(tmp_path, "b.jsonl", 4)]
+    for partition, expected in ((0, [(0, 1, [1, 4]), (1, 2, [2])]),
+                                (1, [(0, 2, [2, 5]), (1, 3, [3])]),
+                                (2, [(0, 3, [3]), (1, 1, [1, 4])])):
+        chunks = list(iter_chunks(paths, 2, partitions=3, partition=partition))
+        got = [(c.file_index, c.first_line, [c.line_number(k) for k in range(len(c.lines))])
+               for c in chunks]
+        # a.jsonl's lines are 0-4 of all the inputs, b.jsonl's 5-8; b.jsonl's line 1 is
+        # input line 5 (5 mod 3 = 2), so partition 2 holds it.
+        assert [(f, first, nums) for f, first, nums in got] == [
+            (f, nums[0], nums) for f, _, nums in expected], partition
+        for c in chunks:
+            for k, raw in enumerate(c.lines):
+                assert json.loads(raw)["text"].endswith(f" line {c.line_number(k) - 1}")
+
+
+def test_gzip_input_is_read_as_the_plain_file(tmp_path, tiny_tokenizer):
+    import gzip
+
+    plain = _texts(tmp_path, "data.jsonl", 9)
+    with open(plain, "rb") as src, gzip.open(tmp_path / "data.jsonl.gz", "wb") as dst:
+        dst.write(src.read())
+    for name, path in (("plain", plain), ("gz", tmp_path / "data.jsonl.gz")):
+        assert_ok(run_tool("preprocess_data.py", "--input", path, "--output-prefix",
+                           tmp_path / name, "--tokenizer-model", tiny_tokenizer,
+                           "--append-eod"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"plain_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"gz_text_document{suffix}").read_bytes()
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_line_error(tmp_path):
+    """NullTokenizer reads space-separated ids; other text is that line's error."""
+    data = _write_jsonl(tmp_path / "data.jsonl", [{"text": "1 2 3"}, {"text": "4 x"},
+                                                  {"text": "5"}])
+    common = ["--input", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", 100]
+    run = run_tool("preprocess_data.py", *common, "--output-prefix", tmp_path / "fail")
+    assert_usage_error(run, "data.jsonl:2: the tokenizer cannot encode this text "
+                            "(ValueError: invalid literal for int()")
+    assert "Traceback" not in run.stderr
+    assert _outputs(tmp_path / "fail") == []
+    run = run_tool("preprocess_data.py", *common, "--output-prefix", tmp_path / "skip",
+                   "--on-error", "skip")
+    assert_ok(run)
+    assert "warning: " in run.stderr and "data.jsonl:2: the tokenizer" in run.stderr
+    dataset = _indexed_dataset(f"{tmp_path / 'skip'}_text_document")
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [[1, 2, 3], [5]]
 
 
 def test_inputs_expand_in_order_and_chunks_keep_file_line_numbers(tmp_path):
@@ -195,7 +305,8 @@ def test_writer_picks_the_smallest_dtype_that_holds_the_vocabulary(tmp_path, voc
     writer = DatasetWriter({"text": prefix}, vocab_size)
     docs = [[0, 1, vocab_size - 1], [vocab_size - 2]]
     writer.add(ChunkResult(0, 1, 2, 10, tokens={"text": np.array(sum(docs, []), np.int32)},
-                           lengths={"text": np.array([3, 1])}, empty_documents={"text": 0}))
+                           lengths={"text": np.array([3, 1])},
+                           sequences={"text": np.array([1, 1])}, empty_documents={"text": 0}))
     assert writer.commit() == [prefix + ".bin", prefix + ".idx"]
     dataset = _indexed_dataset(prefix)
     assert dataset[0].dtype == dtype
@@ -212,10 +323,13 @@ GOOD = '{"text": "print(1)"}'
     ([GOOD, GOOD, GOOD, '{"text": 42}'],
      'data.jsonl:4: value of key "text" is a number, expected a string'),
     (['{"text": null}'], 'data.jsonl:1: value of key "text" is null, expected a string'),
+    ([GOOD, '{"text": ["a", 3]}'],
+     'data.jsonl:2: element 1 of key "text" is a number, expected a string'),
     (['["text"]'], "data.jsonl:1: expected a JSON object, got list"),
     ([GOOD, ""], "data.jsonl:2: empty line"),
     ([GOOD, b'{"text": "\xff"}'], "data.jsonl:2: not valid UTF-8"),
-], ids=["bad-json", "missing-key", "number", "null", "not-object", "empty-line", "not-utf8"])
+], ids=["bad-json", "missing-key", "number", "null", "array-element", "not-object",
+        "empty-line", "not-utf8"])
 def test_malformed_line_fails_with_file_and_line(tmp_path, tiny_tokenizer, lines, expected):
     data = tmp_path / "data.jsonl"
     data.write_bytes(b"".join((ln if isinstance(ln, bytes) else ln.encode()) + b"\n"
@@ -237,8 +351,11 @@ def test_malformed_line_fails_with_file_and_line(tmp_path, tiny_tokenizer, lines
     (["--workers", "0"], "--workers: must be >= 1"),
     (["--json-keys", "text", "text"], "--json-keys text text: a key is repeated"),
     (["--output-prefix", "{tmp}"], "is a directory"),
+    (["--split-sentences"], "--split-sentences is not supported: Megatron-LM splits with "
+                            "NLTK's punkt model"),
+    (["--partitions", "0"], "--partitions: must be >= 1"),
 ], ids=["missing-input", "glob-no-match", "missing-model", "not-a-model", "workers-0",
-        "repeated-key", "prefix-is-dir"])
+        "repeated-key", "prefix-is-dir", "split-sentences", "partitions-0"])
 def test_bad_arguments(tmp_path, tiny_tokenizer, args, expected):
     data = _write_jsonl(tmp_path / "data.jsonl", [{"text": "x"}])
     defaults = {"--input": data, "--tokenizer-model": tiny_tokenizer,
@@ -342,5 +459,6 @@ def test_help_explains_every_flag():
     assert_ok(run)
     for flag in ("--input", "--json-keys", "--output-prefix", "--tokenizer-type",
                  "--tokenizer-model", "--append-eod", "--workers", "--log-interval",
-                 "--on-error", "--chunk-lines"):
+                 "--on-error", "--chunk-lines", "--partitions", "--keep-sequential-samples",
+                 "--split-sentences", "--keep-newlines", "--lang"):
         assert flag in run.stdout
