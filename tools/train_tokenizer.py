@@ -86,14 +86,17 @@ def iter_documents(paths: Sequence[str], fmt: str, json_keys: Sequence[str],
         if input_format(path, fmt) == "jsonl":
             with open(path, "rb") as stream:
                 for line_number, raw in enumerate(stream, start=1):
-                    parsed = parse_json_line(raw, json_keys)
+                    parsed = parse_json_line(raw, json_keys, allow_lists=True)
                     if isinstance(parsed, str):
                         raise ToolError(f"{path}:{line_number}: {parsed}; fix or remove "
                                         "the line")
                     stats.text_bytes += len(raw)
                     for key in json_keys:
                         stats.documents += 1
-                        yield parsed[key]
+                        value = parsed[key]
+                        # An array is the document's sentences (preprocess_data.py's input
+                        # too): trained on as the lines of one text.
+                        yield value if isinstance(value, str) else "\n".join(value)
                     if line_number % _PROGRESS_EVERY_LINES == 0:
                         log(f"train_tokenizer: read {stats.documents} documents, "
                             f"{human_mb(stats.text_bytes)}")

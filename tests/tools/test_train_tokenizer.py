@@ -75,6 +75,22 @@ def test_training_is_deterministic(tmp_path, small_corpus, model_type):
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
+def test_array_values_train_as_their_lines_joined(tmp_path, small_corpus):
+    """An array of sentences (what preprocess_data.py takes, as Megatron-LM) is one text of
+    those lines: the same model as the joined text."""
+    with open(small_corpus, encoding="utf-8") as stream:
+        texts = [json.loads(line)["text"] for line in stream]
+    arrays = tmp_path / "arrays.jsonl"
+    joined = tmp_path / "joined.jsonl"
+    arrays.write_text("".join(json.dumps({"text": t.split("\n")}) + "\n" for t in texts))
+    joined.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = ["--vocab-size", 400, "--num-threads", 1, "--seed", 5, "--quiet"]
+    for name in ("arrays", "joined"):
+        assert_ok(run_tool("train_tokenizer.py", "--input", tmp_path / f"{name}.jsonl", *args,
+                           "--output-prefix", tmp_path / name))
+    assert (tmp_path / "arrays.model").read_bytes() == (tmp_path / "joined.model").read_bytes()
+
+
 def test_plain_text_input_and_no_byte_fallback(tmp_path, small_corpus):
     with open(small_corpus, encoding="utf-8") as stream:
         text = "".join(json.loads(line)["text"] for line in stream)
