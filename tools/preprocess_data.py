@@ -70,14 +70,20 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(1, _REPO_ROOT)
 
-from megatron_ext.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizer import (  # noqa: E402
+    PREPROCESSING_DIFFERS,
+    TOKENIZER_TYPES,
+    build_preprocessing_tokenizer,
+    build_tokenizer,
+)
 from megatron_ext.errors import UsageError  # noqa: E402
 
 # The tokenizer flags, with pretrain_gpt.py's (and Megatron-LM's) names and meanings.
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                    "vocab_size", "vocab_extra_ids", "tiktoken_pattern",
                    "tiktoken_num_special_tokens", "tokenizer_special_tokens",
-                   "tiktoken_special_tokens")
+                   "tiktoken_special_tokens", "legacy_tokenizer",
+                   "tokenizer_hf_include_special_tokens")
 # A chunk also ends once its lines reach this many bytes, so that a file of very long
 # documents does not put hundreds of MB in one task, and the last tasks stay small
 # enough for the workers to finish together.
@@ -293,9 +299,29 @@ def load_tokenizer(tokenizer_args: dict):
         ToolError: the flags or the tokenizer's files are wrong.
     """
     try:
-        return build_tokenizer(argparse.Namespace(**tokenizer_args))
+        return build_preprocessing_tokenizer(argparse.Namespace(**tokenizer_args))
     except UsageError as err:
         raise ToolError(str(err)) from None
+
+
+def training_difference(tokenizer, tokenizer_args: dict) -> Optional[str]:
+    """A note when pretrain_gpt.py's tokenizer of these flags has other ids than ``tokenizer``
+    (megatron-core's, as Megatron-LM's preprocess_data.py uses), or None."""
+    kind = tokenizer_args["tokenizer_type"]
+    if tokenizer_args.get("legacy_tokenizer") or kind not in PREPROCESSING_DIFFERS:
+        return None
+    training = build_tokenizer(argparse.Namespace(**tokenizer_args))
+    probe = "x"
+    what = []
+    if training.eod != tokenizer.eod:
+        what.append(f"end of document {training.eod} there, {tokenizer.eod} here")
+    if training.tokenize(probe) != tokenizer.tokenize(probe):
+        what.append("special tokens around each text there, none here")
+    if not what:
+        return None
+    return (f"note: as Megatron-LM's preprocess_data.py, {kind}'s ids are megatron-core's; "
+            f"pretrain_gpt.py's {kind} (Megatron-LM's training one) differs: "
+            f"{'; '.join(what)}. --legacy-tokenizer writes the training ids")
 
 
 def output_prefixes(output_prefix: str, keys: Sequence[str]) -> Dict[str, str]:
@@ -478,7 +504,9 @@ def build_parser() -> ToolArgumentParser:
                        help="NullTokenizer's vocabulary; TikTokenizer's whole vocabulary, "
                             "special tokens included (default 131072)")
     group.add_argument("--vocab-extra-ids", type=int, default=0, metavar="N",
-                       help="SentencePieceTokenizer: add N <extra_id_i> special tokens "
+                       help="SentencePieceTokenizer with --legacy-tokenizer: add N "
+                            "<extra_id_i> special tokens, as pretrain_gpt.py's flag (Megatron-"
+                            "LM's preprocess_data.py sets it to 0 whatever is given) "
                             "(default: %(default)s)")
     group.add_argument("--tiktoken-pattern", choices=("v1", "v2"),
                        help="TikTokenizer's pre-tokenization pattern (Megatron-LM's v1 or v2)")
@@ -490,6 +518,21 @@ def build_parser() -> ToolArgumentParser:
                             "<unk> <s> </s> (the default is those three)")
     group.add_argument("--tiktoken-special-tokens", nargs="+", metavar="TOKEN",
                        help="Megatron-LM's older spelling of --tokenizer-special-tokens")
+    group.add_argument("--legacy-tokenizer", action="store_true",
+                       help="tokenize with pretrain_gpt.py's tokenizers (Megatron-LM's "
+                            "megatron/training ones) instead of megatron-core's, which "
+                            "Megatron-LM's preprocess_data.py uses by default, as here. They "
+                            "differ for SentencePieceTokenizer (training's adds <CLS> <SEP> "
+                            "<EOD> <MASK> past the pieces and ends documents with <EOD>, "
+                            "megatron-core's ends them with </s>), Llama2Tokenizer (training's "
+                            "puts <s> before every text) and HuggingFaceTokenizer (training's "
+                            "keeps the special tokens the post-processor adds); the other types "
+                            "give the same ids either way")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: the ids include the special tokens the "
+                            "tokenizer's post-processor adds (e.g. <s>), tokenizer(text)."
+                            "input_ids, as Megatron-LM's flag (default: the text's tokens "
+                            "alone)")
     group.add_argument("--append-eod", action="store_true",
                        help="append the tokenizer's end-of-document id to every document "
                             "(</s> for the SentencePiece models, <EOD> for "
@@ -559,6 +602,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     paths = expand_inputs(args.input)
     tokenizer_args = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
     tokenizer = load_tokenizer(tokenizer_args)
+    note = training_difference(tokenizer, tokenizer_args)
+    if note:
+        log(note)
     eod_id = None
     if args.append_eod:
         eod_id = tokenizer.eod

@@ -307,8 +307,11 @@ class HuggingFaceTokenizer(_Tokenizer):
     post-processor adds (e.g. a bos id), as in Megatron-LM.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, add_special_tokens: bool = True):
         super().__init__(tokenizer_path=[os.path.abspath(path)])
+        # False: the ids of the text alone (megatron-core's tokenizer in Megatron-LM's
+        # preprocess_data.py without --tokenizer-hf-include-special-tokens).
+        self.add_special_tokens = add_special_tokens
         if not os.path.exists(path):
             raise UsageError(f"--tokenizer-model {path}: no such directory or tokenizer.json "
                              "(HuggingFaceTokenizer loads local files only, never the hub)")
@@ -332,13 +335,14 @@ class HuggingFaceTokenizer(_Tokenizer):
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of ``text``."""
-        return list(self._tok(text).input_ids)
+        return list(self._tok(text, add_special_tokens=self.add_special_tokens).input_ids)
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Token ids of each text."""
         if not texts:
             return []
-        return [list(ids) for ids in self._tok(list(texts)).input_ids]
+        return [list(ids) for ids in self._tok(
+            list(texts), add_special_tokens=self.add_special_tokens).input_ids]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of token ids."""
@@ -535,3 +539,41 @@ def build_tokenizer(args):
                              "--vocab-size N")
         return NullTokenizer(args.vocab_size)
     raise UsageError(f"--tokenizer-type {kind}: not one of {', '.join(TOKENIZER_TYPES)}")
+
+
+# The types whose ids Megatron-LM's tools/preprocess_data.py (megatron-core's tokenizers,
+# megatron/core/tokenizers, its default) and its training (megatron/training/tokenizer, as
+# build_tokenizer here) give differently.
+PREPROCESSING_DIFFERS = ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
+
+
+def build_preprocessing_tokenizer(args):
+    """The tokenizer of Megatron-LM's ``tools/preprocess_data.py`` for ``args``.
+
+    Megatron-LM (core_v0.16.1) preprocesses with megatron-core's tokenizers unless
+    ``--legacy-tokenizer``, and trains with megatron/training's (:func:`build_tokenizer`
+    here). They give the same ids except for: SentencePieceTokenizer (megatron-core's: the
+    model's pieces alone, EOD its ``</s>``; training's: Megatron-LM's special tokens added,
+    EOD ``<EOD>``), Llama2Tokenizer (megatron-core's: no ``<s>`` before a text) and
+    HuggingFaceTokenizer (megatron-core's: without the special tokens the post-processor
+    adds, unless ``--tokenizer-hf-include-special-tokens``). For those three, without
+    ``args.legacy_tokenizer``, this returns the megatron-core view; else
+    :func:`build_tokenizer`'s.
+    """
+    kind = args.tokenizer_type
+    if getattr(args, "tokenizer_hf_include_special_tokens", False) and \
+            kind != "HuggingFaceTokenizer":
+        raise UsageError("--tokenizer-hf-include-special-tokens is read by --tokenizer-type "
+                         f"HuggingFaceTokenizer only, not {kind}")
+    if getattr(args, "legacy_tokenizer", False) or kind not in PREPROCESSING_DIFFERS:
+        return build_tokenizer(args)
+    check_tokenizer_flags(args)
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(args.tokenizer_model, add_special_tokens=bool(
+            getattr(args, "tokenizer_hf_include_special_tokens", False)))
+    if getattr(args, "vocab_extra_ids", 0):
+        raise UsageError("--vocab-extra-ids needs --legacy-tokenizer: by default "
+                         "SentencePieceTokenizer is megatron-core's here, as in Megatron-LM's "
+                         "preprocess_data.py, the model's pieces alone (Megatron-LM's tool "
+                         "also sets vocab_extra_ids to 0 whatever is given)")
+    return GPTSentencePieceTokenizer(args.tokenizer_model)

@@ -46,7 +46,11 @@ def _tokenizer_flags(tmp):
 def test_each_tokenizer_type_preprocesses_and_trains(tmp_path):
     import preprocess_data
 
-    from megatron_ext.data.tokenizer import build_tokenizer
+    from megatron_ext.data.tokenizer import (
+        PREPROCESSING_DIFFERS,
+        build_preprocessing_tokenizer,
+        build_tokenizer,
+    )
 
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in tf.corpus(200)))
@@ -57,7 +61,9 @@ def test_each_tokenizer_type_preprocesses_and_trains(tmp_path):
                               "--tokenizer-type", kind, *flags, "--append-eod"])
         args = preprocess_data.build_parser().parse_args(
             ["--input", str(data), "--output-prefix", "x", "--tokenizer-type", kind, *flags])
-        tokenizer = build_tokenizer(args)
+        # Megatron-LM's preprocess_data.py tokenizes with megatron-core's tokenizers (as
+        # here by default); --legacy-tokenizer with its training ones (pretrain_gpt.py's).
+        tokenizer = build_preprocessing_tokenizer(args)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -65,6 +71,16 @@ def test_each_tokenizer_type_preprocesses_and_trains(tmp_path):
         first = tf.corpus(200)[0]
         assert ds[0].tolist() == tokenizer.tokenize(first) + [tokenizer.eod], kind
         assert len(ds) == 200
+        training = build_tokenizer(args)
+        if kind in PREPROCESSING_DIFFERS:
+            assert training.tokenize(first) + [training.eod] != ds[0].tolist(), kind
+            preprocess_data.main(["--input", str(data), "--output-prefix", f"{prefix}-legacy",
+                                  "--tokenizer-type", kind, *flags, "--append-eod",
+                                  "--legacy-tokenizer"])
+            legacy = IndexedDataset(f"{prefix}-legacy_text_document")
+            assert legacy[0].tolist() == training.tokenize(first) + [training.eod], kind
+        else:
+            assert training.tokenize(first) + [training.eod] == ds[0].tolist(), kind
         metrics = tmp_path / f"{kind}.jsonl"
         runs.append([*TRAIN, "--data-path", f"{prefix}_text_document", "--tokenizer-type", kind,
                      *flags, "--metrics-path", str(metrics), "--save", str(tmp_path / kind)])

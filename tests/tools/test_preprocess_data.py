@@ -266,6 +266,31 @@ def test_gzip_input_is_read_as_the_plain_file(tmp_path, tiny_tokenizer):
             (tmp_path / f"gz_text_document{suffix}").read_bytes()
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_sentencepiece_tokenizer_ids_are_megatron_core_s_unless_legacy(tmp_path, tiny_tokenizer,
+                                                                      legacy):
+    """Megatron-LM's preprocess_data.py ends SentencePieceTokenizer documents with the
+    model's </s> (megatron-core's tokenizer); its training tokenizer (and pretrain_gpt.py's)
+    with <EOD>, past the pieces: the tool says so, and --legacy-tokenizer writes that."""
+    data = _write_jsonl(tmp_path / "data.jsonl", [{"text": "a b"}])
+    prefix = tmp_path / "ds"
+    run = run_tool("preprocess_data.py", "--input", data, "--output-prefix", prefix,
+                   "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                   tiny_tokenizer, "--append-eod", *(["--legacy-tokenizer"] if legacy else []))
+    assert_ok(run)
+    sp = sentencepiece.SentencePieceProcessor(model_file=tiny_tokenizer)
+    dataset = _indexed_dataset(f"{prefix}_text_document")  # kept: [0] views its mmap
+    ids = dataset[0].tolist()
+    assert ids[:-1] == sp.encode("a b")
+    note = "note: as Megatron-LM's preprocess_data.py, SentencePieceTokenizer's ids are"
+    if legacy:
+        assert ids[-1] >= sp.get_piece_size()  # <EOD>, appended past the model's pieces
+        assert note not in run.stderr
+    else:
+        assert ids[-1] == EOD
+        assert note in run.stderr and "--legacy-tokenizer writes the training ids" in run.stderr
+
+
 def test_text_the_tokenizer_cannot_encode_is_a_line_error(tmp_path):
     """NullTokenizer reads space-separated ids; other text is that line's error."""
     data = _write_jsonl(tmp_path / "data.jsonl", [{"text": "1 2 3"}, {"text": "4 x"},
@@ -354,8 +379,14 @@ def test_malformed_line_fails_with_file_and_line(tmp_path, tiny_tokenizer, lines
     (["--split-sentences"], "--split-sentences is not supported: Megatron-LM splits with "
                             "NLTK's punkt model"),
     (["--partitions", "0"], "--partitions: must be >= 1"),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-extra-ids", "2"],
+     "--vocab-extra-ids needs --legacy-tokenizer"),
+    (["--tokenizer-hf-include-special-tokens"],
+     "--tokenizer-hf-include-special-tokens is read by --tokenizer-type HuggingFaceTokenizer "
+     "only, not GPTSentencePieceTokenizer"),
 ], ids=["missing-input", "glob-no-match", "missing-model", "not-a-model", "workers-0",
-        "repeated-key", "prefix-is-dir", "split-sentences", "partitions-0"])
+        "repeated-key", "prefix-is-dir", "split-sentences", "partitions-0", "extra-ids",
+        "hf-specials"])
 def test_bad_arguments(tmp_path, tiny_tokenizer, args, expected):
     data = _write_jsonl(tmp_path / "data.jsonl", [{"text": "x"}])
     defaults = {"--input": data, "--tokenizer-model": tiny_tokenizer,
@@ -460,5 +491,6 @@ def test_help_explains_every_flag():
     for flag in ("--input", "--json-keys", "--output-prefix", "--tokenizer-type",
                  "--tokenizer-model", "--append-eod", "--workers", "--log-interval",
                  "--on-error", "--chunk-lines", "--partitions", "--keep-sequential-samples",
-                 "--split-sentences", "--keep-newlines", "--lang"):
+                 "--split-sentences", "--keep-newlines", "--lang", "--legacy-tokenizer",
+                 "--tokenizer-hf-include-special-tokens"):
         assert flag in run.stdout
