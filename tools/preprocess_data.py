@@ -488,7 +488,10 @@ def build_parser() -> ToolArgumentParser:
                        default="GPTSentencePieceTokenizer",
                        help="the tokenizer, as pretrain_gpt.py's --tokenizer-type (Megatron-LM's "
                             "classes of these names: see pretrain_gpt.py --help); the ids and "
-                            "the end-of-document id are the ones training uses. "
+                            "the end-of-document id are those Megatron-LM's preprocess_data.py "
+                            "writes (megatron-core's tokenizers), which are the training ones "
+                            "except for SentencePieceTokenizer, Llama2Tokenizer and "
+                            "HuggingFaceTokenizer (see --legacy-tokenizer). "
                             "Default: %(default)s")
     group.add_argument("--tokenizer-model", metavar="PATH",
                        help="SentencePiece .model (e.g. from tools/train_tokenizer.py) for "
