@@ -538,8 +538,9 @@ def build_parser() -> ToolArgumentParser:
                             "alone)")
     group.add_argument("--append-eod", action="store_true",
                        help="append the tokenizer's end-of-document id to every document "
-                            "(</s> for the SentencePiece models, <EOD> for "
-                            "SentencePieceTokenizer, <|endoftext|> for GPT2BPETokenizer)")
+                            "that has a token (</s> for the SentencePiece models, <EOD> for "
+                            "SentencePieceTokenizer with --legacy-tokenizer, <|endoftext|> for "
+                            "GPT2BPETokenizer)")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, metavar="PREFIX",
                        help="writes PREFIX_{KEY}_document.bin/.idx; the directory is created "

@@ -499,6 +499,10 @@ def check_tokenizer_flags(args) -> None:
     if getattr(args, "vocab_extra_ids", 0) and kind != "SentencePieceTokenizer":
         raise UsageError(f"--vocab-extra-ids is read by --tokenizer-type "
                          f"SentencePieceTokenizer only, not {kind}")
+    if getattr(args, "tokenizer_hf_include_special_tokens", False) and \
+            kind != "HuggingFaceTokenizer":
+        raise UsageError("--tokenizer-hf-include-special-tokens is read by --tokenizer-type "
+                         f"HuggingFaceTokenizer only, not {kind}")
     if _special_tokens(args) and kind != "TikTokenizer":
         raise UsageError("--tokenizer-special-tokens / --tiktoken-special-tokens are read by "
                          "--tokenizer-type TikTokenizer only")
@@ -561,10 +565,6 @@ def build_preprocessing_tokenizer(args):
     :func:`build_tokenizer`'s.
     """
     kind = args.tokenizer_type
-    if getattr(args, "tokenizer_hf_include_special_tokens", False) and \
-            kind != "HuggingFaceTokenizer":
-        raise UsageError("--tokenizer-hf-include-special-tokens is read by --tokenizer-type "
-                         f"HuggingFaceTokenizer only, not {kind}")
     if getattr(args, "legacy_tokenizer", False) or kind not in PREPROCESSING_DIFFERS:
         return build_tokenizer(args)
     check_tokenizer_flags(args)
