@@ -14,17 +14,18 @@
 #      12.76B against 125 GiB here, and its NVMe offload would need 153 GB on a 64 GiB disk.
 #      Nor is 36x4096x32 (7.52B) since 2026-12-02 17:07 UTC: it was killed in its first
 #      step as 32x4096x32 (6.71B) was, and 24x4096x32 (5.10B) trained
-#      (bench/results/2026-12-02c-h200); the failed try cost ~100 s of the 570.
+#      (bench/results/2026-12-02c-h200); the failed try cost ~120 s of the deadline.
 # Rows 1 and 2: global batch GBS (default 64) of micro-batch 1, full recompute, bf16 with
 # --grad-reduce-in-bf16 (bf16 gradient buffer, as the large rows); the DeepSpeed bundle has
 # no gradient accumulation, so its rows step per micro-batch: compare tokens/s.
 # Each try has its own time limit (LIMIT for this engine, TRY_LIMIT for each peer try), cut
-# to what is left of DEADLINE seconds (default 570: the whole script fits one 600 s device
+# to what is left of DEADLINE seconds (default 585: the whole script fits one 600 s device
 # command); a try with less than MIN_TRY seconds left (default 90) is not started and the
 # summary says so.
 # Time on the H200 (2026-12-02, bench/results/2026-12-02c-h200 call 1 and 3): this engine's
 # row ~90 s, megatron-core at 1.0 ~175 s, DeepSpeed's install and cpu_adam build ~60 s, a
-# killed DeepSpeed try ~100 s, the 5.10B try ~120 s: ~540 s with the default shapes.
+# killed DeepSpeed try ~120 s, the 5.10B try ~120 s: ~560 s with the default shapes (run it
+# as `timeout 598 bash bench/gpu_offload_peers.sh`; a slower machine may cut the last try).
 # Writes $OUT/{gpt-6.7b,mcore-F}.{jsonl,txt}, $OUT/deepspeed-SHAPE.txt, $OUT/summary.txt.
 # Usage (repository root, on the GPU machine; carry .whl and .peers):
 #   OUT=/dir bash bench/gpu_offload_peers.sh
@@ -37,7 +38,7 @@ FRACTIONS="${FRACTIONS:-1.0 0.9 0.8 0.7 0.6 0.5}"
 DS_SHAPES="${DS_SHAPES:-32x4096x32 24x4096x32 24x2048x16}"
 DS_OFFLOAD="${DS_OFFLOAD:-cpu}"
 TRY_LIMIT="${TRY_LIMIT:-200}"
-DEADLINE="${DEADLINE:-570}"
+DEADLINE="${DEADLINE:-585}"
 MIN_TRY="${MIN_TRY:-90}"
 SUMMARY="$OUT/summary.txt"
 START=$SECONDS
