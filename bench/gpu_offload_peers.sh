@@ -90,15 +90,8 @@ done
 echo "== 3. DeepSpeed ZeRO-3 --offload $DS_OFFLOAD, shapes $DS_SHAPES" | tee -a "$SUMMARY"
 # --offload cpu needs only DeepSpeed's install and its cpu_adam op (~45 s to build); nvme
 # needs the bundle's whole setup (async_io too, ~1 min more).
-if [ "$DS_OFFLOAD" = cpu ]; then
-  { bash .peers/deepspeed/setup_on_gpu.sh --no-build \
-      && (. .peers/deepspeed/env.sh && python3 -c "import time; t = time.time(); \
-from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); \
-print('[dsbundle] cpu_adam ok (%.0f s)' % (time.time() - t))"); } > "$OUT/ds_setup.txt" 2>&1 \
-      || tail -5 "$OUT/ds_setup.txt"
-else
-  bash .peers/deepspeed/setup_on_gpu.sh > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
-fi
+bash "$HERE/ds_setup.sh" "$([ "$DS_OFFLOAD" = cpu ] && echo cpu || echo full)" \
+    > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
 tail -1 "$OUT/ds_setup.txt" | tee -a "$SUMMARY"
 for shape in $DS_SHAPES; do
   t=$(limit "$TRY_LIMIT") || { echo "DeepSpeed $shape: not tried (DEADLINE)" |

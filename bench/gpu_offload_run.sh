@@ -13,7 +13,7 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ -n "${CONFIGS:-}" ]; then
   case "$CONFIGS" in *deepspeed*)
-    bash .peers/deepspeed/setup_on_gpu.sh > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt";;
+    bash bench/ds_setup.sh full > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt";;
   esac
   python3 bench/offload_bench.py --configs "$CONFIGS" --output "$OUT/offload_bench.json" \
       --deepspeed-bundle .peers/deepspeed ${BENCH_ARGS:-} 2>&1 | tee "$OUT/offload_bench.txt" | tail -30

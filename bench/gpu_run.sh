@@ -12,7 +12,7 @@ python3 bench/pretrain_bench.py --iters "${BENCH_ITERS:-25}" --warmup 5 --repeat
     --label no-offload --output "$OUT/pretrain_no-offload.json" 2>&1 | tee "$OUT/bench.txt" | tail -8
 if [ "${1:-}" = "ds" ]; then
   echo "== DeepSpeed peer, same model, torch AdamW, no offload"
-  bash .peers/deepspeed/setup_on_gpu.sh --no-build > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
+  bash bench/ds_setup.sh install > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
   python3 .peers/deepspeed/zero_infinity_bench.py --offload none --layers 24 --hidden 2048 \
       --heads 16 --vocab 32000 --seq 2048 --micro-batch 4 --warmup 5 --steps 20 \
       > "$OUT/ds_none.txt" 2>&1; tail -4 "$OUT/ds_none.txt"

@@ -56,15 +56,8 @@ run_tests() {
 if [ -n "$CONFIGS" ]; then
   case "$CONFIGS" in *deepspeed*)
     echo "== DeepSpeed setup ($(date -u +%H:%M:%S))"
-    if [ "${DS_SETUP:-}" = full ]; then
-      bash .peers/deepspeed/setup_on_gpu.sh > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
-    else
-      { bash .peers/deepspeed/setup_on_gpu.sh --no-build \
-          && (. .peers/deepspeed/env.sh && python3 -c "import time; t = time.time(); \
-from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); \
-print('[dsbundle] cpu_adam ok (%.0f s)' % (time.time() - t))"); } \
-          > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
-    fi
+    bash bench/ds_setup.sh "$([ "${DS_SETUP:-}" = full ] && echo full || echo cpu)" \
+        > "$OUT/ds_setup.txt" 2>&1 || tail -5 "$OUT/ds_setup.txt"
     tail -1 "$OUT/ds_setup.txt";;
   esac
   echo "== zenflow_bench.py --configs $CONFIGS ${BENCH_ARGS:-} ($(date -u +%H:%M:%S))"
