@@ -71,10 +71,10 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(1, _REPO_ROOT)
 
 from megatron_ext.data.tokenizer import (  # noqa: E402
-    PREPROCESSING_DIFFERS,
     TOKENIZER_TYPES,
     build_preprocessing_tokenizer,
     build_tokenizer,
+    preprocesses_with_core_tokenizer,
 )
 from megatron_ext.errors import UsageError  # noqa: E402
 
@@ -307,10 +307,11 @@ def load_tokenizer(tokenizer_args: dict):
 def training_difference(tokenizer, tokenizer_args: dict) -> Optional[str]:
     """A note when pretrain_gpt.py's tokenizer of these flags has other ids than ``tokenizer``
     (megatron-core's, as Megatron-LM's preprocess_data.py uses), or None."""
-    kind = tokenizer_args["tokenizer_type"]
-    if tokenizer_args.get("legacy_tokenizer") or kind not in PREPROCESSING_DIFFERS:
+    args = argparse.Namespace(**tokenizer_args)
+    if not preprocesses_with_core_tokenizer(args):
         return None
-    training = build_tokenizer(argparse.Namespace(**tokenizer_args))
+    kind = args.tokenizer_type
+    training = build_tokenizer(args)
     probe = "x"
     what = []
     if training.eod != tokenizer.eod:

@@ -551,6 +551,16 @@ def build_tokenizer(args):
 PREPROCESSING_DIFFERS = ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
 
 
+def preprocesses_with_core_tokenizer(args) -> bool:
+    """Whether preprocessing ``args`` uses a tokenizer with other ids than training's.
+
+    True for a type of :data:`PREPROCESSING_DIFFERS` without ``--legacy-tokenizer``: there
+    Megatron-LM's ``tools/preprocess_data.py`` uses megatron-core's tokenizer.
+    """
+    return (not getattr(args, "legacy_tokenizer", False)
+            and args.tokenizer_type in PREPROCESSING_DIFFERS)
+
+
 def build_preprocessing_tokenizer(args):
     """The tokenizer of Megatron-LM's ``tools/preprocess_data.py`` for ``args``.
 
@@ -565,7 +575,7 @@ def build_preprocessing_tokenizer(args):
     :func:`build_tokenizer`'s.
     """
     kind = args.tokenizer_type
-    if getattr(args, "legacy_tokenizer", False) or kind not in PREPROCESSING_DIFFERS:
+    if not preprocesses_with_core_tokenizer(args):
         return build_tokenizer(args)
     check_tokenizer_flags(args)
     if kind == "HuggingFaceTokenizer":
