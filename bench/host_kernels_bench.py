@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from megatron_ext.optim.adamw import adam_update  # noqa: E402
 from megatron_ext.runtime import host_kernels  # noqa: E402
-from megatron_ext.training.adamw import adam_update  # noqa: E402
 from megatron_ext.zenflow.cpu_worker import CpuSide  # noqa: E402
 
 ACC_BYTES = 10

@@ -212,7 +212,7 @@ def _source_of(name):
 
 
 def _iteration_dir(directory):
-    from megatron_ext.training.checkpoint import TRACKER, checkpoint_name
+    from megatron_ext.checkpoint.checkpointing import TRACKER, checkpoint_name
 
     with open(os.path.join(directory, TRACKER)) as f:
         tag = f.read().strip()

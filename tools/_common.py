@@ -2,6 +2,8 @@
 
 The tools are run as scripts (``python tools/X.py``), so this module is imported as the
 top-level module ``_common``: Python puts the script's own directory first on ``sys.path``.
+Importing it is the tools' one bootstrap: it puts the repository root on ``sys.path`` (after
+``tools/``) so that the tool can import ``megatron_ext`` from a clone that is not installed.
 
 Conventions every tool follows through :func:`run_tool`:
 
@@ -21,6 +23,10 @@ import os
 import signal
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Union
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(1, REPO_ROOT)
 
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT

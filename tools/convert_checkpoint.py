@@ -33,14 +33,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from typing import Dict, List, Optional, Sequence
 
 from _common import ToolArgumentParser, ToolError, log, run_tool
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(1, _REPO_ROOT)
 
 from megatron_ext.errors import UsageError  # noqa: E402
 
@@ -180,7 +175,7 @@ def to_hf(args) -> None:
 
 def cfg_tokenizer(common: dict) -> Optional[str]:
     """The run's SentencePiece model file, when the run used one and it still exists."""
-    from megatron_ext.model import standalone
+    from megatron_ext.checkpoint import standalone
 
     data = standalone.saved_sections(common).get("data", {})
     path = data.get("tokenizer_model")
@@ -316,9 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     direction = _check_args(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from megatron_ext.training.loop import _quiet_optional_dependencies
+    from megatron_ext.runtime.quiet import quiet_optional_dependencies
 
-    _quiet_optional_dependencies()
+    quiet_optional_dependencies()
     try:
         (to_hf if direction == "to_hf" else from_hf)(args)
     except UsageError as err:

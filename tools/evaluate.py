@@ -34,10 +34,6 @@ from _common import (
     tokenizer_args,
 )
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(1, _REPO_ROOT)
-
 from megatron_ext.errors import UsageError  # noqa: E402
 
 
@@ -63,8 +59,8 @@ def build_parser() -> ToolArgumentParser:
 
 def evaluate(args) -> dict:
     """Loads the checkpoint and evaluates it; returns the result record."""
-    from megatron_ext.model import standalone
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpoint import checkpointing as ckpt
+    from megatron_ext.checkpoint import standalone
     from megatron_ext.training.loop import Trainer
 
     path = standalone.resolve_checkpoint(args.load)
@@ -99,9 +95,9 @@ def evaluate(args) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    from megatron_ext.training.loop import _quiet_optional_dependencies
+    from megatron_ext.runtime.quiet import quiet_optional_dependencies
 
-    _quiet_optional_dependencies()
+    quiet_optional_dependencies()
     try:
         record = evaluate(args)
     except UsageError as err:

@@ -17,7 +17,6 @@ cache): meant for checking a model, not for serving it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -31,10 +30,6 @@ from _common import (
     run_tool,
     tokenizer_args,
 )
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(1, _REPO_ROOT)
 
 from megatron_ext.errors import UsageError  # noqa: E402
 
@@ -145,9 +140,9 @@ def generate(model, prompt_ids: List[int], max_new_tokens: int, vocab_size: int,
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     settings = sampling_settings(args)
-    from megatron_ext.training.loop import _quiet_optional_dependencies
+    from megatron_ext.runtime.quiet import quiet_optional_dependencies
 
-    _quiet_optional_dependencies()
+    quiet_optional_dependencies()
     try:
         _run(args, settings)
     except UsageError as err:
@@ -159,9 +154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _run(args, settings: dict) -> None:
+    from megatron_ext.checkpoint import standalone
     from megatron_ext.config.sections import DataConfig
     from megatron_ext.data.tokenizer import build_tokenizer
-    from megatron_ext.model import standalone
     from megatron_ext.runtime.distributed import resolve_device
 
     path = standalone.resolve_checkpoint(args.load)

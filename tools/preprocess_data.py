@@ -64,12 +64,6 @@ from _common import (
     temporary_path,
 )
 
-# Run as a script, Python puts tools/ first on sys.path, not the repository root. The
-# tokenizer module imports neither torch nor megatron-core, so workers stay small.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(1, _REPO_ROOT)
-
 from megatron_ext.data.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
     build_preprocessing_tokenizer,

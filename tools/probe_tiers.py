@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import statistics
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -37,11 +36,6 @@ from _common import (
     run_tool,
     temporary_path,
 )
-
-# Run as a script, Python puts tools/ first on sys.path, not the repository root.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(1, _REPO_ROOT)
 
 from megatron_ext.offload.tiers import (  # noqa: E402
     TierFullError,

@@ -13,10 +13,10 @@ import sys
 import typing
 from typing import List, Optional, Sequence
 
-from megatron_ext.config.fields import field_docs
 from megatron_ext.config.megatron_compat import did_you_mean, first_refused
 from megatron_ext.config.run import RunConfig
 from megatron_ext.errors import UsageError
+from megatron_ext.runtime.fields import field_docs
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -162,27 +162,3 @@ def _unknown_message(parser: argparse.ArgumentParser, unknown: List[str]) -> str
     known = [opt for action in parser._actions for opt in action.option_strings]
     return (f"unrecognized argument {flags[0].split('=', 1)[0]}{did_you_mean(flags[0], known)}; "
             "see --help for the flags")
-
-
-def parse_data_path(items: List[str]) -> List[tuple]:
-    """Splits '--data-path [W1] P1 [W2] P2 ...' into [(weight, prefix), ...].
-
-    Raises:
-        UsageError: weights are given for some prefixes but not all.
-    """
-    def is_number(text):
-        try:
-            float(text)
-            return True
-        except ValueError:
-            return False
-
-    if not any(is_number(x) for x in items):
-        return [(1.0, p) for p in items]
-    if len(items) % 2 or not all(is_number(w) for w in items[0::2]):
-        raise UsageError("--data-path: give either prefixes only, or a weight before every prefix "
-                         "('0.7 PREFIX_A 0.3 PREFIX_B')")
-    pairs = [(float(w), p) for w, p in zip(items[0::2], items[1::2])]
-    if any(w <= 0 for w, _ in pairs):
-        raise UsageError("--data-path: weights must be positive")
-    return pairs

@@ -17,7 +17,7 @@ from megatron_ext.config.sections import (
 from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.training.batch_schedule import check_rampup, train_iters_from_samples
+from megatron_ext.runtime.batch_schedule import check_rampup, train_iters_from_samples
 from megatron_ext.zenflow.config import ZenFlowConfig
 
 
@@ -79,7 +79,7 @@ class RunConfig:
             raise UsageError("no training data: give --data-path PREFIX (or --mock-data)")
         if data.data_path:
             # The weights' format, before anything starts (the files are read later).
-            from megatron_ext.config.cli import parse_data_path
+            from megatron_ext.data.data_path import parse_data_path
 
             parse_data_path(data.data_path)
         check_tokenizer_flags(data)

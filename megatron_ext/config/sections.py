@@ -12,8 +12,8 @@ import dataclasses
 import os
 from typing import List, Optional
 
-from megatron_ext.config.fields import option
 from megatron_ext.errors import UsageError
+from megatron_ext.runtime.fields import option
 
 
 def _required(*pairs) -> None:

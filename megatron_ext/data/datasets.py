@@ -10,10 +10,10 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron_ext.config import parse_data_path
+from megatron_ext.data.data_path import parse_data_path
 from megatron_ext.errors import UsageError
-from megatron_ext.training.batch_schedule import train_samples_total
-from megatron_ext.training.signals import SHIELDED
+from megatron_ext.runtime.batch_schedule import train_samples_total
+from megatron_ext.runtime.signals import SHIELDED
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 # Scanning a corpus for its largest token id costs one read of it; past this size only

@@ -6,9 +6,9 @@ import dataclasses
 import os
 from typing import List, Optional
 
-from megatron_ext.config.fields import option
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.jobdir import check_run_id
+from megatron_ext.runtime.fields import option
 
 
 @dataclasses.dataclass

@@ -65,7 +65,7 @@ from megatron_ext.offload.tiers import (
     resize_device_tier,
     split_updates,
 )
-from megatron_ext.training.adamw import adam_update, unscale_and_clip
+from megatron_ext.optim.adamw import adam_update, unscale_and_clip
 
 log = logging.getLogger(__name__)
 
@@ -1306,7 +1306,7 @@ def _device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                  exp_avg_sq: torch.Tensor, step: int, hp: dict) -> None:
     """Torch's fused CUDA AdamW in place, queued on the current stream without a host sync.
 
-    Like :func:`megatron_ext.training.adamw.adam_update` for CUDA tensors, but the step
+    Like :func:`megatron_ext.optim.adamw.adam_update` for CUDA tensors, but the step
     tensor is made on the device by a fill kernel: a host-to-device copy of it would wait
     for the stream and serialize the GPU's work with the CPU Adam running meanwhile.
     """

@@ -1,7 +1,7 @@
 """megatron-core's DistributedOptimizer with its fp32 states in the offload engine.
 
 megatron-core builds the optimizer as usual (param groups, the DDP buffers' shard ranges,
-the grad scaler); :class:`~megatron_ext.training.sharded_optimizer.ShardedStateOptimizer`
+the grad scaler); :class:`~megatron_ext.optim.sharded_optimizer.ShardedStateOptimizer`
 keeps megatron-core's grad-norm, clipping, fp16-skip and all-gather semantics and frees
 the fp32 masters megatron-core made on the model's device; this subclass hands the shard
 to an :class:`OffloadEngine`, which reads the gradients from the DDP grad buffer in their
@@ -26,7 +26,7 @@ from megatron_ext.offload.tiers import (
     probe_bandwidth,
     probe_plan,
 )
-from megatron_ext.training.sharded_optimizer import (
+from megatron_ext.optim.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )

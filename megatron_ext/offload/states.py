@@ -16,7 +16,8 @@ from typing import List, Tuple
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from megatron_ext.runtime.dtypes import DTYPES
+
 _ALIGN = 4
 
 

@@ -13,43 +13,32 @@ import logging
 import math
 import os
 import sys
-import warnings
 
 import torch
 
+from megatron_ext.checkpoint import checkpointing as ckpt
+from megatron_ext.checkpoint import integrity
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
-from megatron_ext.training import checkpoint as ckpt
-from megatron_ext.training import integrity
-from megatron_ext.training.batch_schedule import BatchRamp
+from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
+from megatron_ext.runtime.batch_schedule import BatchRamp
+from megatron_ext.runtime.quiet import quiet_optional_dependencies
+from megatron_ext.runtime.signals import ExitSignalHandler
+from megatron_ext.runtime.to_host import ToHost
 from megatron_ext.training.metrics import (
     EtaClock,
     MetricsWriter,
     Stopwatch,
-    ToHost,
     dir_size_text,
     format_line,
     maybe_float,
     memory_stats,
     num_parameters,
 )
-from megatron_ext.training.optimizer import close_optimizer, optimizer_metrics
 from megatron_ext.training.profiling import Profiler
-from megatron_ext.training.signals import ExitSignalHandler
 from megatron_ext.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("megatron_ext")
-
-
-def _quiet_optional_dependencies() -> None:
-    """megatron-core warns at import about every optional package it falls back from."""
-    for pattern in (".*Apex is not installed.*", ".*Transformer Engine.*",
-                    ".*transformer_engine.*", ".*nvidia-modelopt.*", ".*flattened_range.*",
-                    ".*full scope is deprecated.*", ".*is not a leaf Tensor is being accessed.*",
-                    r".*`torch\.distributed\.\w+` is deprecated.*",
-                    ".*`load_state_dict` is deprecated.*", ".*deprecating ShardedTensor.*"):
-        warnings.filterwarnings("ignore", message=pattern)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 STEP_SYNC_ENV = "MEGATRON_EXT_STEP_SYNC"
@@ -590,7 +579,7 @@ def pretrain(cfg) -> int:
     """Trains a GPT as configured; returns the process exit status."""
     from megatron_ext.runtime.distributed import shutdown
 
-    _quiet_optional_dependencies()
+    quiet_optional_dependencies()
     trainer = Trainer(cfg)
     if cfg.training.manual_gc:
         # Collections at fixed points only, so that ranks pause together (Megatron-LM).

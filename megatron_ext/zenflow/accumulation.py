@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from megatron_ext.errors import UsageError
-from megatron_ext.training.adamw import unscale_and_clip
+from megatron_ext.optim.adamw import unscale_and_clip
 
 MARGIN_BYTES = 1 << 30
 """The least device memory auto leaves free beyond the accumulator (1 GiB)."""

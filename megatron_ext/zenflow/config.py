@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron_ext.config.fields import option
 from megatron_ext.errors import UsageError
+from megatron_ext.runtime.fields import option
 
 AUTO_MAX_INTERVAL = 16
 """The longest window ``--zenflow-update-interval auto`` opens."""

@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.optim.adamw import adam_update, unscale_and_clip
 from megatron_ext.runtime import host_kernels
-from megatron_ext.training.adamw import adam_update, unscale_and_clip
 
 JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
 """Test hook: a maximum delay in seconds, slept at random before each CPU task."""

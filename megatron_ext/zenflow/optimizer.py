@@ -37,12 +37,12 @@ import torch
 from torch.profiler import record_function
 
 from megatron_ext.errors import UsageError
-from megatron_ext.training.adamw import adam_update, unscale_and_clip
-from megatron_ext.training.metrics import ToHost
-from megatron_ext.training.sharded_optimizer import (
+from megatron_ext.optim.adamw import adam_update, unscale_and_clip
+from megatron_ext.optim.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )
+from megatron_ext.runtime.to_host import ToHost
 from megatron_ext.zenflow.accumulation import (
     DeviceAccumulator,
     choose_place,

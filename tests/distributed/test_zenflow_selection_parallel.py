@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_ext.training.sharded_optimizer import Shard
+from megatron_ext.optim.sharded_optimizer import Shard
 from megatron_ext.zenflow.selection import (
     column_energy,
     global_importance,

@@ -39,9 +39,10 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 def _trainer(flags):
     from megatron_ext.config import parse_config
-    from megatron_ext.training.loop import Trainer, _quiet_optional_dependencies
+    from megatron_ext.runtime.quiet import quiet_optional_dependencies
+    from megatron_ext.training.loop import Trainer
 
-    _quiet_optional_dependencies()
+    quiet_optional_dependencies()
     return Trainer(parse_config(flags))
 
 
@@ -77,7 +78,7 @@ def _megatron_state(trainer, metadata, is_loading):
             _bare(chunk).sharded_state_dict(metadata=metadata)
     model_sd = state["model"] if len(model) == 1 else dict(state)
     if is_loading:
-        from megatron_ext.training.checkpoint import _materialize_optimizer_states
+        from megatron_ext.checkpoint.checkpointing import _materialize_optimizer_states
 
         # torch creates Adam's states at the first step, and megatron-core's
         # DistributedOptimizer cannot build the sharded state dict of a load without them
@@ -100,7 +101,7 @@ def _megatron_state(trainer, metadata, is_loading):
 def load(root, flags, report):
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.training.checkpoint import TrainState
+    from megatron_ext.checkpoint.checkpointing import TrainState
 
     trainer = _trainer(flags)
     iteration = int(open(os.path.join(root, "latest_checkpointed_iteration.txt")).read())
@@ -122,7 +123,7 @@ def load(root, flags, report):
     trainer.state = TrainState(iteration=loaded["iteration"],
                                consumed_train_samples=args.consumed_train_samples,
                                optimizer_steps=loaded["iteration"])
-    from megatron_ext.training.checkpoint import _fix_step_counts
+    from megatron_ext.checkpoint.checkpointing import _fix_step_counts
 
     _fix_step_counts(trainer.optimizer, loaded["iteration"])
     if torch.distributed.get_rank() == 0 and report:

@@ -29,8 +29,8 @@ import sys
 
 import pytest
 
+from megatron_ext.checkpoint import integrity
 from megatron_ext.errors import UsageError
-from megatron_ext.training import integrity
 from mext_testing import PRETRAIN, ROOT, TINY, run_pretrain, test_env
 
 FLAGS = [*TINY, "--train-iters", "4", "--use-distributed-optimizer", "--lr-decay-style",

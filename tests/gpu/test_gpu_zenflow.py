@@ -99,7 +99,7 @@ def test_zenflow_cpu_side_in_offload_tiers_on_cuda(tmp_path, select_interval):
 def _engine_on_cuda(place: str, steps: int = 12):
     """ZenFlowEngine over three bf16 CUDA parameters, windows of 3 steps, re-selection every
     6, a clip coefficient every 5th step; returns (weights on the host, engine facts)."""
-    from megatron_ext.training.sharded_optimizer import Shard
+    from megatron_ext.optim.sharded_optimizer import Shard
     from megatron_ext.zenflow.config import ZenFlowConfig
     from megatron_ext.zenflow.optimizer import ZenFlowEngine
 

@@ -74,7 +74,7 @@ def project_logits(load: str, tokens):
     """This project's logits ([b, s, vocab], fp32 on the CPU) of the checkpoint ``load``."""
     import torch
 
-    from megatron_ext.model import standalone
+    from megatron_ext.checkpoint import standalone
     from megatron_ext.runtime.distributed import shutdown
 
     try:

@@ -94,7 +94,7 @@ def test_converted_checkpoint_needs_finetune(finetuned_run):
     """
     from types import SimpleNamespace
 
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpoint import checkpointing as ckpt
 
     path = ckpt.checkpoint_name(str(finetuned_run.ckpt_in), 0)
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(finetune=False, load_optim=True),
@@ -214,7 +214,7 @@ def test_model_settings_from_a_megatron_lm_args_namespace():
     """A checkpoint whose common state has Megatron-LM's ``args`` only (no ``config``)."""
     import argparse
 
-    from megatron_ext.model import standalone
+    from megatron_ext.checkpoint import standalone
 
     args = argparse.Namespace(num_layers=3, hidden_size=32, num_attention_heads=4,
                               ffn_hidden_size=96, seq_length=16, max_position_embeddings=16,

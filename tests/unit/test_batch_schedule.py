@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_ext.checkpoint.checkpointing import scheduler_in_samples
 from megatron_ext.config import parse_config
 from megatron_ext.errors import UsageError
-from megatron_ext.training.batch_schedule import (
+from megatron_ext.runtime.batch_schedule import (
     scheduler_kwargs,
     train_iters_from_samples,
     train_samples_total,
 )
-from megatron_ext.training.checkpoint import scheduler_in_samples
 from mext_testing import ramp_batches
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -108,7 +108,7 @@ def test_train_iters_follow_megatron_lms_ramp(rampup, train_samples, gbs):
 
 
 def test_the_ramp_sets_each_iterations_micro_batches():
-    from megatron_ext.training.batch_schedule import BatchRamp
+    from megatron_ext.runtime.batch_schedule import BatchRamp
 
     cfg = _cfg("--train-samples", "120", "--global-batch-size", "16", "--rampup-batch-size",
                "4", "4", "40", "--micro-batch-size", "2", world=2)

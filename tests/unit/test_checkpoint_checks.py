@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from megatron_ext.checkpoint import checkpoint_args, integrity
 from megatron_ext.config.sections import ModelConfig
 from megatron_ext.data.datasets import check_split_sizes
 from megatron_ext.errors import UsageError
-from megatron_ext.training import checkpoint_args, integrity
 
 EXPECTED = {"a": {"size": 3, "xxh3": "aa"}, "b": {"size": 5, "xxh3": "bb"}}
 
@@ -101,7 +101,7 @@ def test_empty_split(split, n, problem):
 def test_tools_take_the_runs_tokenizer_and_its_files(tmp_path):
     """tools/generate.py and evaluate.py: every tokenizer field is the run's unless given;
     another type drops the run's files."""
-    from megatron_ext.model import standalone
+    from megatron_ext.checkpoint import standalone
 
     vocab, merges, spm = (tmp_path / n for n in ("vocab.json", "merges.txt", "spm.model"))
     for f in (vocab, merges, spm):
@@ -132,7 +132,7 @@ def test_tools_read_megatron_lms_args_with_torch_dtypes():
     wrote must still give the tools a valid run config (generate, evaluate, HF export)."""
     import torch
 
-    from megatron_ext.model import standalone
+    from megatron_ext.checkpoint import standalone
 
     args = argparse.Namespace(num_layers=4, hidden_size=256, num_attention_heads=8,
                               seq_length=256, max_position_embeddings=256,

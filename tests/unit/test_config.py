@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from megatron_ext.config import build_parser, parse_config, parse_data_path
+from megatron_ext.config import build_parser, parse_config
+from megatron_ext.data.data_path import parse_data_path
 from megatron_ext.errors import UsageError
 from megatron_ext.model.build import padded_vocab_size
 from mext_testing import PRETRAIN, ROOT, test_env

@@ -7,10 +7,10 @@ import io
 import pytest
 import torch
 
+from megatron_ext.checkpoint.checkpoint_args import differences, saved_settings
+from megatron_ext.checkpoint.checkpointing import sharded_metadata
+from megatron_ext.checkpoint.megatron_args import layout_of, megatron_args, train_state_of
 from megatron_ext.config import parse_config
-from megatron_ext.training.checkpoint import sharded_metadata
-from megatron_ext.training.checkpoint_args import differences, saved_settings
-from megatron_ext.training.megatron_args import layout_of, megatron_args, train_state_of
 
 FLAGS = ["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "6",
          "--seq-length", "64", "--max-position-embeddings", "128", "--micro-batch-size", "2",

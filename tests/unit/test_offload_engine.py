@@ -307,7 +307,7 @@ def test_device_tier_and_streamed_update_equal_torch_adamw(tmp_path, monkeypatch
 
 def _lowp_reference(shard, layout):
     """Reference of the precision-aware states: stored in the layout's dtypes, fp32 math."""
-    from megatron_ext.training.adamw import adam_update
+    from megatron_ext.optim.adamw import adam_update
 
     states = [[w.float().to(layout.master), torch.zeros(w.numel(), dtype=layout.exp_avg),
                torch.zeros(w.numel(), dtype=layout.exp_avg_sq)] for w in shard.weights]

@@ -24,8 +24,8 @@ import torch
 from torch.optim.adam import adam
 
 from megatron_ext.errors import UsageError
+from megatron_ext.optim.sharded_optimizer import Shard
 from megatron_ext.runtime import host_kernels
-from megatron_ext.training.sharded_optimizer import Shard
 from megatron_ext.zenflow import cpu_worker
 from megatron_ext.zenflow.config import ZenFlowConfig
 from megatron_ext.zenflow.optimizer import KINDS, ZenFlowEngine

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from megatron_ext.training.sharded_optimizer import Shard
+from megatron_ext.optim.sharded_optimizer import Shard
 from megatron_ext.zenflow.selection import (
     build_plans,
     column_energy,

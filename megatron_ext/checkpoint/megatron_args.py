@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.training.checkpoint_args import SETTINGS
+from megatron_ext.checkpoint.checkpoint_args import SETTINGS
 
 
 def _params_dtype(train) -> torch.dtype:

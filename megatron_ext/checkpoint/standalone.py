@@ -32,7 +32,7 @@ def resolve_checkpoint(load: str) -> str:
     Raises:
         UsageError: neither.
     """
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpoint import checkpointing as ckpt
 
     if not os.path.isdir(load):
         raise UsageError(f"--load {load}: no such directory")
@@ -229,7 +229,7 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpoint import checkpointing as ckpt
 
     final = ckpt.checkpoint_name(root, 0)
     tmp = final + ".tmp"

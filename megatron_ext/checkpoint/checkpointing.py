@@ -36,14 +36,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megatron_ext.checkpoint import checkpoint_args, integrity, megatron_args
 from megatron_ext.errors import UsageError
-from megatron_ext.training import checkpoint_args, integrity, megatron_args
-from megatron_ext.training.optimizer import (
+from megatron_ext.optim.chain import (
     inner_torch_optimizers,
     load_external_state,
     save_external_state,
 )
-from megatron_ext.training.signals import shielded_helpers
+from megatron_ext.runtime.signals import shielded_helpers
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What the engines share: Adam kernels, the sharded-state optimizer base, the mode registry."""
