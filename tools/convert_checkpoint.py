@@ -132,7 +132,8 @@ def _tokenizer_files(out_dir: str, model_path: str, hf_config: Dict) -> None:
 def to_hf(args) -> None:
     import safetensors.torch
 
-    from megatron_ext.model import hf, standalone
+    from megatron_ext.checkpoint import standalone
+    from megatron_ext.model import hf
 
     path = standalone.resolve_checkpoint(args.load)
     common = standalone.read_common(path)
@@ -254,8 +255,9 @@ def model_flags(m) -> List[str]:
 def from_hf(args) -> None:
     import torch
 
+    from megatron_ext.checkpoint import standalone
     from megatron_ext.config.sections import ModelConfig
-    from megatron_ext.model import hf, standalone
+    from megatron_ext.model import hf
 
     if not os.path.isdir(args.input):
         raise ToolError(f"--input {args.input}: no such directory")

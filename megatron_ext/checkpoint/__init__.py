@@ -1,2 +1,4 @@
-"""Checkpoints: save and load in Megatron-LM's layout, integrity, checkpoint args, the reader
-the tools use without the trainer."""
+"""Checkpoints: save and load in Megatron-LM's layout, integrity, checkpoint args.
+
+Also the standalone reader the tools use without the trainer.
+"""

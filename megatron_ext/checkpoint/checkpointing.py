@@ -43,6 +43,7 @@ from megatron_ext.optim.chain import (
     load_external_state,
     save_external_state,
 )
+from megatron_ext.runtime.faults import Faults
 from megatron_ext.runtime.signals import shielded_helpers
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,8 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
     })
     try:
         with shielded_helpers():
-            _save_files(state, tmp, optimizer, metadata, train_state.iteration)
+            _save_files(state, tmp, optimizer, metadata, train_state.iteration,
+                        Faults(cfg.faults.checkpoint_fault))
         # Last, once every rank's files are complete: the checksum of each.
         integrity.write_manifest(tmp, runtime.host_group)
         torch.distributed.barrier()
@@ -303,7 +305,8 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
     return final
 
 
-def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int) -> None:
+def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int,
+                faults: Faults) -> None:
     """Writes this rank's files of a checkpoint into ``tmp``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -317,7 +320,7 @@ def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int
         filesystem_async._results_queue = queue.Queue()
     dist_checkpointing.save(state, tmp, content_metadata=dict(metadata))
     save_external_state(optimizer, tmp)
-    integrity.Faults().check_save(iteration)
+    faults.check_save(iteration)
     torch.distributed.barrier()
 
 

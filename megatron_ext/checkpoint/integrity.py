@@ -39,35 +39,12 @@ MANIFEST = "integrity.json"
 FORMAT = "megatron_ext-integrity"
 VERSION = 1
 _CHUNK = 8 << 20
-FAULT_ENV = "MEGATRON_EXT_CHECKPOINT_FAULT"
 # Errors of the storage (not of the program) that a failed save reports in one line.
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES,
                   errno.EPERM, errno.ENOENT, errno.ESTALE}
 _STORAGE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system"
                            r"|Input/output error|Permission denied")
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-
-
-class Faults:
-    """Faults injected by the test suite through ``MEGATRON_EXT_CHECKPOINT_FAULT``.
-
-    ``enospc:ITERATION``: the save of that iteration fails with ENOSPC after the model and
-    optimizer files are written (as a file system that fills during the save would).
-    """
-
-    def __init__(self, text: Optional[str] = None):
-        text = os.environ.get(FAULT_ENV, "") if text is None else text
-        self.rules = [part.split(":") for part in text.split(";") if part]
-        for rule in self.rules:
-            if rule[0] != "enospc" or len(rule) != 2 or not rule[1].isdigit():
-                raise UsageError(f"{FAULT_ENV}={text}: give enospc:ITERATION (faults for "
-                                 "tests), or unset it")
-
-    def check_save(self, iteration: int) -> None:
-        """Raises the injected ENOSPC at the save of ``iteration``."""
-        for rule in self.rules:
-            if int(rule[1]) == iteration:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
 
 
 # Free bytes below which a failed write is put down to a full file system.

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from megatron_ext.errors import UsageError
-from megatron_ext.offload.states import DTYPES as STATE_DTYPES
+from megatron_ext.runtime.dtypes import DTYPES as STATE_DTYPES
 
 # The common-state marker of a checkpoint that holds model weights only (no optimizer,
 # scheduler or data position), e.g. one converted from Hugging Face.

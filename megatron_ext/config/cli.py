@@ -31,7 +31,8 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _sections():
+def config_sections():
+    """``[(section name, section config class)]`` of :class:`RunConfig`, in order."""
     hints = typing.get_type_hints(RunConfig)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig)]
 
@@ -83,7 +84,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
-    for section_name, section_cls in _sections():
+    for section_name, section_cls in config_sections():
         title = (section_cls.__doc__ or section_name).strip().splitlines()[0]
         group = parser.add_argument_group(f"{section_name}: {title}")
         docs = field_docs(section_cls)
@@ -92,6 +93,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
             meta = field.metadata
             dest = f"{section_name}.{field.name}"
             help_text = docs.get(field.name, "")
+            if meta.get("hidden"):
+                help_text = argparse.SUPPRESS  # a knob (runtime.fields.knob): in the docs only
             base = _base_type(hints[field.name])
             default = (field.default if field.default is not dataclasses.MISSING
                        else field.default_factory())
@@ -148,7 +151,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
     values = vars(namespace)
     _check_finite(parser, values)
     sections = {}
-    for section_name, section_cls in _sections():
+    for section_name, section_cls in config_sections():
         prefix = section_name + "."
         kwargs = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
         sections[section_name] = section_cls(**kwargs)

@@ -7,9 +7,11 @@ between its ``flags:begin``/``flags:end`` markers, and a test keeps the two equa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from megatron_ext.config.cli import build_parser
+from megatron_ext.config.cli import build_parser, config_sections
 from megatron_ext.config.megatron_compat import MEGATRON_LM, REFUSED, REFUSED_PREFIXES
+from megatron_ext.runtime.fields import field_docs
 
 
 def flags_markdown() -> str:
@@ -17,7 +19,8 @@ def flags_markdown() -> str:
     parser = build_parser()
     lines = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
+        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)
+                   and a.help != argparse.SUPPRESS]
         if not actions:
             continue
         lines += [f"#### {group.title}", "", "| flag | default | meaning | vs Megatron-LM |",
@@ -43,12 +46,31 @@ def flags_markdown() -> str:
                 versus = MEGATRON_LM[name].replace("|", "\\|") or "as Megatron-LM"
             lines.append(f"| `{flag}` | {default} | {help_text} | {versus} |")
         lines.append("")
+    lines += knobs_markdown()
     lines += ["#### Megatron-LM flags refused", "",
               "Each gives one line `error: FLAG: why` and exit status 2.", "",
               "| flag | why |", "|---|---|"]
     lines += [f"| `{flag}` | {why} |" for flag, why in sorted(REFUSED.items())]
     lines += [f"| `{prefix}*` | {why} |" for prefix, why in sorted(REFUSED_PREFIXES.items())]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def knobs_markdown() -> list:
+    """The knobs (``runtime.fields.knob``): hidden from ``--help``, each with its variable."""
+    rows = []
+    for section_name, section_cls in config_sections():
+        docs = field_docs(section_cls)
+        for field in dataclasses.fields(section_cls):
+            if field.metadata.get("hidden"):
+                flag = field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+                text = docs.get(field.name, "").replace("|", "\\|")
+                rows.append(f"| `{flag}` | `{field.metadata['env']}` | {text} |")
+    if not rows:
+        return []
+    return ["#### Knobs for tests and tuning (hidden from --help)", "",
+            "Each is a config field, recorded with the run; its default is read from the "
+            "variable when the config is made, and the flag overrides it.", "",
+            "| flag | variable | meaning |", "|---|---|---|", *rows, ""]
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.runtime.batch_schedule import check_rampup, train_iters_from_samples
+from megatron_ext.runtime.faults import FaultConfig
 from megatron_ext.zenflow.config import ZenFlowConfig
 
 
@@ -35,6 +36,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
     def __post_init__(self):
         self._check_flags()

@@ -11,8 +11,11 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
 import textwrap
 from typing import Any, Callable, Optional, Sequence
+
+from megatron_ext.errors import UsageError
 
 
 def option(
@@ -50,6 +53,39 @@ def option(
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def knob(default: Any = None, *, env: str, parse: Callable[[str], Any],
+         flag: Optional[str] = None, metavar: Optional[str] = None) -> Any:
+    """Declares a tuning or test knob: a config field hidden from ``--help``.
+
+    Its default is read from the environment variable ``env`` when the config is made (so a
+    test or a job script can set it for every process of a launch), and a hidden flag can
+    give it too. Either way the value lives in the typed config, is recorded with the run,
+    and is the only place the code reads it from. The docs list every knob with its variable.
+
+    Args:
+        default: the value when neither the variable nor the flag is given.
+        env: the environment variable, e.g. ``MEGATRON_EXT_OFFLOAD_FAULT``.
+        parse: converts the text to the value; raises ``ValueError`` (or ``UsageError``)
+            with what to give instead.
+        flag: the hidden flag when it is not ``--`` + the field name with dashes.
+        metavar: argparse metavar.
+    """
+    def from_environ() -> Any:
+        text = os.environ.get(env, "").strip()
+        if not text:
+            return default
+        try:
+            return parse(text)
+        except UsageError:
+            raise
+        except ValueError as err:
+            raise UsageError(f"{env}={text}: {err}") from None
+
+    metadata = {"flag": flag, "choices": None, "nargs": None, "metavar": metavar,
+                "parse": parse, "negate": None, "hidden": True, "env": env}
+    return dataclasses.field(default_factory=from_environ, metadata=metadata)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,6 @@ import sys
 import torch
 
 from megatron_ext.checkpoint import checkpointing as ckpt
-from megatron_ext.checkpoint import integrity
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
@@ -39,28 +38,6 @@ from megatron_ext.training.profiling import Profiler
 from megatron_ext.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("megatron_ext")
-
-
-STEP_SYNC_ENV = "MEGATRON_EXT_STEP_SYNC"
-
-
-def step_sync_mode() -> str:
-    """What the phase timers wait for on a GPU: $MEGATRON_EXT_STEP_SYNC, ``stream`` or ``device``.
-
-    ``stream`` (the default): the training stream only; copies an optimizer leaves running
-    on its own streams (ZenFlow's delayed gradients to the host, the CPU update's weights
-    to the GPU) go on into the next iteration, which is what their streams are for, and
-    whatever waits for them later pays for them there. ``device``: every stream of the
-    device, so each phase's time includes those copies (and the next iteration starts only
-    after them). The iteration time is wall time either way. megatron-core's own timers
-    (forward, backward, gradient sync) wait the same way (:mod:`.timers`): theirs would
-    synchronize the whole device at every micro-batch.
-    """
-    value = os.environ.get(STEP_SYNC_ENV, "").strip() or "stream"
-    if value not in ("device", "stream"):
-        raise UsageError(f"{STEP_SYNC_ENV}={value}: give stream (wait for the training "
-                         "stream only, the default) or device (for every stream)")
-    return value
 
 
 def _setup_logging(rank: int) -> None:
@@ -185,10 +162,7 @@ class Trainer:
         from megatron_ext.training.timers import SyncTimers
 
         self.cfg = cfg
-        self._sync_stream_only = step_sync_mode() == "stream"
-        if cfg.checkpoint.save:
-            # Read at every save; checked now, not at the end of the training.
-            integrity.Faults()
+        self._sync_stream_only = cfg.runtime.step_sync == "stream"
         self.runtime = rt = initialize(cfg)
         _setup_logging(rt.rank)
         if cfg.training.deterministic_mode:
@@ -269,7 +243,7 @@ class Trainer:
                     chunk.enable_forward_pre_hook()
 
     def _synchronize(self) -> None:
-        """Waits for the GPU's work before a phase's time is taken (see step_sync_mode)."""
+        """Waits for the GPU's work before a phase's time is taken (see RuntimeConfig.step_sync)."""
         if self.runtime.is_cpu:
             return
         if self._sync_stream_only:

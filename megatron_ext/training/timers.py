@@ -5,7 +5,7 @@ schedules time each micro-batch's forward and backward, and the gradient sync). 
 waits for every stream of the device, copies on an optimizer's side streams included:
 ZenFlow's D2H of the delayed gradients, launched in one step's optimizer phase, would be
 waited for by the next step's first forward timer. :class:`SyncTimers` gives each timer
-the loop's wait instead (see ``loop.step_sync_mode``): a device-wide synchronize (the same
+the loop's wait instead (see ``RuntimeConfig.step_sync``): a device-wide synchronize (the same
 as megatron-core's), the training stream only, or nothing (CPU runs).
 """
 

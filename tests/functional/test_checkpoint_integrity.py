@@ -31,6 +31,7 @@ import pytest
 
 from megatron_ext.checkpoint import integrity
 from megatron_ext.errors import UsageError
+from megatron_ext.runtime.faults import CHECKPOINT_ENV
 from mext_testing import PRETRAIN, ROOT, TINY, run_pretrain, test_env
 
 FLAGS = [*TINY, "--train-iters", "4", "--use-distributed-optimizer", "--lr-decay-style",
@@ -299,7 +300,7 @@ def test_full_file_system_during_a_save_is_one_line(tmp_path):
     """ENOSPC injected after megatron-core's files of iteration 4 are written."""
     root = tmp_path / "ckpt"
     proc = run_load([*FLAGS, "--save", str(root), "--save-interval", "2"],
-                    env={integrity.FAULT_ENV: "enospc:4"})
+                    env={CHECKPOINT_ENV: "enospc:4"})
     _assert_save_failed_cleanly(proc, root)
 
 
