@@ -286,7 +286,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         integrity.write_manifest(tmp, runtime.host_group)
         torch.distributed.barrier()
         if rank0:
-            _publish(root, tmp, final, train_state.iteration)
+            publish(root, tmp, final, train_state.iteration)
     # BaseException: torch.distributed.checkpoint's CheckpointException derives from it.
     except BaseException as err:  # noqa: BLE001 - a full or failing disk is one line
         why = None if isinstance(err, (KeyboardInterrupt, SystemExit)) \
@@ -324,8 +324,12 @@ def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int
     torch.distributed.barrier()
 
 
-def _publish(root: str, tmp: str, final: str, iteration: int) -> None:
-    """Renames the complete ``tmp`` to ``final``, then moves the pointer (rank 0)."""
+def publish(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Renames the complete ``tmp`` to ``final``, then moves the pointer (rank 0).
+
+    The files are synced first, so the pointer never names a folder a crash could leave
+    half written.
+    """
     for dirpath, _, files in os.walk(tmp):
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
@@ -351,13 +355,25 @@ def resolve_load_dir(cfg) -> Optional[str]:
     root = cfg.checkpoint.load
     if not root:
         return None
-    iteration = read_tracker(root) if os.path.isdir(root) else None
-    if iteration is None:
+    path = latest_checkpoint(root) if os.path.isdir(root) else None
+    if path is None:
         same = cfg.checkpoint.save and os.path.abspath(cfg.checkpoint.save) == os.path.abspath(root)
         if same and not cfg.checkpoint.finetune:
             return None
         raise UsageError(f"--load {root}: no checkpoint there (no {TRACKER}); check the path, "
                          "or drop --load to start from scratch")
+    return path
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The iteration folder the tracker of the --save root ``root`` names (None: no tracker).
+
+    Raises:
+        UsageError: the tracker names an iteration whose folder does not exist.
+    """
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
     path = checkpoint_name(root, iteration)
     if not os.path.isdir(path):
         raise UsageError(f"--load {root}: {TRACKER} names iteration {iteration} but "

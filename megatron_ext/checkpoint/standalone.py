@@ -38,14 +38,10 @@ def resolve_checkpoint(load: str) -> str:
         raise UsageError(f"--load {load}: no such directory")
     if os.path.isfile(os.path.join(load, "metadata.json")):
         return load
-    iteration = ckpt.read_tracker(load)
-    if iteration is None:
+    path = ckpt.latest_checkpoint(load)
+    if path is None:
         raise UsageError(f"--load {load}: not a checkpoint (no {ckpt.TRACKER} and no "
                          "metadata.json); give the --save directory of a run")
-    path = ckpt.checkpoint_name(load, iteration)
-    if not os.path.isdir(path):
-        raise UsageError(f"--load {load}: {ckpt.TRACKER} names iteration {iteration} but "
-                         f"{path} does not exist")
     return path
 
 
@@ -246,10 +242,7 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
         WEIGHTS_ONLY: True,
     }
     dist_checkpointing.save(state, tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    ckpt._write_atomic(os.path.join(root, ckpt.TRACKER), "0")
+    ckpt.publish(root, tmp, final, 0)
     return final
 
 
