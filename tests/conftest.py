@@ -1,1 +1,25 @@
-"""pytest configuration of the whole suite; shared helpers live in mext_testing.py."""
+"""pytest configuration of the whole suite; shared helpers live in mext_testing.py.
+
+Every test carries one marker of where it runs, from its folder: ``gpu`` (tests/gpu: needs
+CUDA, skipped without it), ``slurm`` (tests/slurm: a real Slurm cluster on localhost),
+``distributed`` (tests/distributed: several processes over gloo on the CPU), ``cpu`` (the
+rest: unit, functional and tool tests on one CPU process). Select with ``-m``, e.g.
+``python -m pytest -m "cpu or distributed"`` on a laptop or ``-m gpu`` on the GPU machine.
+"""
+
+from pathlib import Path
+
+import pytest
+
+_TESTS = Path(__file__).resolve().parent
+_FOLDER_MARKERS = {"gpu": "gpu", "slurm": "slurm", "distributed": "distributed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks each test by the folder it lives in (see the module docstring)."""
+    for item in items:
+        try:
+            top = Path(str(item.fspath)).resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            continue
+        item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS.get(top, "cpu")))
