@@ -256,7 +256,7 @@ def from_hf(args) -> None:
     import torch
 
     from megatron_ext.checkpoint import standalone
-    from megatron_ext.config.sections import ModelConfig
+    from megatron_ext.config.model import ModelConfig
     from megatron_ext.model import hf
 
     if not os.path.isdir(args.input):

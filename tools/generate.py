@@ -155,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def _run(args, settings: dict) -> None:
     from megatron_ext.checkpoint import standalone
-    from megatron_ext.config.sections import DataConfig
+    from megatron_ext.config.data import DataConfig
     from megatron_ext.data.tokenizer import build_tokenizer
     from megatron_ext.runtime.distributed import resolve_device
 

@@ -103,7 +103,7 @@ def _section(cls, values: dict, **overrides):
 
 def model_config(common: dict):
     """The ModelConfig the checkpoint was trained with."""
-    from megatron_ext.config.sections import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     return _section(ModelConfig, saved_sections(common)["model"])
 
@@ -117,8 +117,12 @@ def run_config(common: dict, *, device: str = "cpu", fp32: bool = True, data: Op
     backends. ``data`` and ``training`` override fields of those sections; without
     ``data`` the run is on mock data (the model's users need no corpus).
     """
-    from megatron_ext.config import sections as s
+    from megatron_ext.config.data import DataConfig
+    from megatron_ext.config.model import ModelConfig, ParallelConfig
+    from megatron_ext.config.outputs import CheckpointConfig, LoggingConfig
     from megatron_ext.config.run import RunConfig
+    from megatron_ext.config.runtime import RuntimeConfig
+    from megatron_ext.config.training import OptimizerConfig, TrainingConfig
 
     saved = saved_sections(common)
     # Values a checkpoint without a training section (a converted one) still needs.
@@ -136,19 +140,19 @@ def run_config(common: dict, *, device: str = "cpu", fp32: bool = True, data: Op
                 "tiktoken_pattern": None, "vocab_size": vocab}
     data_values = {**saved.get("data", {}), **data}
     return RunConfig(
-        model=_section(s.ModelConfig, saved["model"]),
-        parallel=s.ParallelConfig(),
-        training=_section(s.TrainingConfig, train),
+        model=_section(ModelConfig, saved["model"]),
+        parallel=ParallelConfig(),
+        training=_section(TrainingConfig, train),
         # The plain optimizer: the tools never step it, and a run's precision-aware states
         # (honoured with --offload-optimizer only) would not validate without the offload.
-        optimizer=_section(s.OptimizerConfig, {"lr": 1e-4, **saved.get("optimizer", {})},
+        optimizer=_section(OptimizerConfig, {"lr": 1e-4, **saved.get("optimizer", {})},
                            optimizer_cpu_offload=False, use_precision_aware_optimizer=False,
                            main_params_dtype="fp32", exp_avg_dtype="fp32",
                            exp_avg_sq_dtype="fp32"),
-        data=_section(s.DataConfig, data_values),
-        checkpoint=s.CheckpointConfig(load=load),
-        logging=s.LoggingConfig(wandb_mode="disabled"),
-        runtime=s.RuntimeConfig(device=device),
+        data=_section(DataConfig, data_values),
+        checkpoint=CheckpointConfig(load=load),
+        logging=LoggingConfig(wandb_mode="disabled"),
+        runtime=RuntimeConfig(device=device),
     )
 
 

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ext.config.sections import (
-    CheckpointConfig,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    RuntimeConfig,
-    TrainingConfig,
-)
+from megatron_ext.config.data import DataConfig
+from megatron_ext.config.model import ModelConfig, ParallelConfig
+from megatron_ext.config.outputs import CheckpointConfig, LoggingConfig
+from megatron_ext.config.runtime import RuntimeConfig
+from megatron_ext.config.training import OptimizerConfig, TrainingConfig
 from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig

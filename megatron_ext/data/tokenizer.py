@@ -473,7 +473,7 @@ class NullTokenizer(_Tokenizer):
 def check_tokenizer_flags(args) -> None:
     """One-line errors for tokenizer flags that do not fit ``--tokenizer-type``.
 
-    ``args`` has the tokenizer fields of :class:`megatron_ext.config.sections.DataConfig`
+    ``args`` has the tokenizer fields of :class:`megatron_ext.config.data.DataConfig`
     (pretrain_gpt.py's config, or tools/preprocess_data.py's namespace).
     """
     kind = args.tokenizer_type

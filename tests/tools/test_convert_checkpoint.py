@@ -15,7 +15,7 @@ import pytest
 import torch
 from model_testlib import assert_ok, assert_usage_error, call_tool
 
-from megatron_ext.config.sections import ModelConfig
+from megatron_ext.config.model import ModelConfig
 from megatron_ext.errors import UsageError
 from megatron_ext.model import hf
 from mext_testing import TINY, run_pretrain

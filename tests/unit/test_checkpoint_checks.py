@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.checkpoint import checkpoint_args, integrity
-from megatron_ext.config.sections import ModelConfig
+from megatron_ext.config.model import ModelConfig
 from megatron_ext.data.datasets import check_split_sizes
 from megatron_ext.errors import UsageError
 
