@@ -1,17 +1,24 @@
 """Markdown tables of every flag, generated from the config dataclasses.
 
-``python -m megatron_ext.config.docs`` prints them; the README holds the same text
+``python -m megatron_ext.config.docs`` prints them; ``docs/flags.md`` holds the same text
 between its ``flags:begin``/``flags:end`` markers, and a test keeps the two equal.
+``python -m megatron_ext.config.docs --write`` rewrites that section of docs/flags.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
+from typing import Optional
 
 from megatron_ext.config.cli import build_parser, config_sections
 from megatron_ext.config.megatron_compat import MEGATRON_LM, REFUSED, REFUSED_PREFIXES
 from megatron_ext.runtime.fields import field_docs
+
+# The page that holds the tables between these markers (a test keeps them equal to the code).
+FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+BEGIN, END = "<!-- flags:begin -->\n", "<!-- flags:end -->"
 
 
 def flags_markdown() -> str:
@@ -73,5 +80,39 @@ def knobs_markdown() -> list:
             "| flag | variable | meaning |", "|---|---|---|", *rows, ""]
 
 
+def write_flags_page(path: Optional[Path] = None) -> bool:
+    """Rewrites the section between the markers of ``path`` with :func:`flags_markdown`.
+
+    Args:
+        path: The page holding the markers; ``FLAGS_PAGE`` (docs/flags.md) when None.
+
+    Returns:
+        Whether the page changed.
+    """
+    path = FLAGS_PAGE if path is None else path
+    page = path.read_text()
+    start, stop = page.index(BEGIN) + len(BEGIN), page.index(END)
+    new_page = page[:start] + flags_markdown() + page[stop:]
+    if new_page == page:
+        return False
+    path.write_text(new_page)
+    return True
+
+
+def main(argv=None) -> None:
+    """Prints the flag tables, or with ``--write`` rewrites them in docs/flags.md."""
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.config.docs",
+        description="Print the flag tables (markdown), or rewrite them in docs/flags.md.")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite the section between the flags markers of docs/flags.md")
+    args = parser.parse_args(argv)
+    if not args.write:
+        print(flags_markdown(), end="")
+        return
+    changed = write_flags_page()
+    print(f"docs/flags.md: {'rewritten' if changed else 'already up to date'}")
+
+
 if __name__ == "__main__":
-    print(flags_markdown(), end="")
+    main()

@@ -107,7 +107,7 @@ def test_padded_vocab_size(vocab, div, tp, want):
 def test_readme_flag_tables_match_the_code():
     from megatron_ext.config.docs import flags_markdown
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "flags.md").read_text()
     begin, end = "<!-- flags:begin -->\n", "<!-- flags:end -->"
     section = readme[readme.index(begin) + len(begin):readme.index(end)]
     assert section == flags_markdown(), (
