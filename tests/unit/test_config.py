@@ -111,7 +111,7 @@ def test_readme_flag_tables_match_the_code():
     begin, end = "<!-- flags:begin -->\n", "<!-- flags:end -->"
     section = readme[readme.index(begin) + len(begin):readme.index(end)]
     assert section == flags_markdown(), (
-        "README flag tables are stale: regenerate with python -m megatron_ext.config.docs")
+        "docs/flags.md is stale: regenerate with python -m megatron_ext.config.docs --write")
     for flag in _options(build_parser()):
         if flag not in ("-h", "--help"):
             assert f"`{flag}" in section, flag
