@@ -66,7 +66,7 @@ ENABLED = {"all-off": (), "alt": ("alternate",), "alt-delayed": ("alternate", "d
 
 def probe(path: str, size_mb: int) -> dict:
     """O_DIRECT read/write bandwidth of ``path`` (tools/probe_tiers.py's probe)."""
-    from megatron_ext.offload.tiers import probe_bandwidth
+    from megatron_ext.offload.probe import probe_bandwidth
 
     result = probe_bandwidth(path, size_mb=size_mb, threads=4, direct_io=True)
     return {"read_gbps": result.read_gbps, "write_gbps": result.write_gbps,

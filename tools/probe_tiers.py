@@ -4,7 +4,7 @@ Each directory is probed ``--repeat`` times (rounds go over all directories in t
 passing disturbance spreads over them rather than hitting one): a ``--size-mb`` file is
 written by ``--threads`` threads in ``--block-mb`` blocks, fsynced, dropped from the page
 cache (or written with O_DIRECT, ``--direct-io``), read back and removed; see
-``megatron_ext.offload.tiers.probe_bandwidth``. Progress goes to stderr; stdout gets a
+``megatron_ext.offload.probe.probe_bandwidth``. Progress goes to stderr; stdout gets a
 table (min / median / max per path, and the effective bandwidth for one read plus one
 write, which is what the placement weighs) and, last, the line to paste into a job
 script, with the medians::
@@ -37,13 +37,13 @@ from _common import (
     temporary_path,
 )
 
-from megatron_ext.offload.tiers import (  # noqa: E402
+from megatron_ext.offload.paths import (  # noqa: E402
     TierFullError,
     TierSpec,
     check_free_space,
     format_tier_spec,
-    probe_bandwidth,
 )
+from megatron_ext.offload.probe import probe_bandwidth  # noqa: E402
 
 _MIB = 1 << 20
 

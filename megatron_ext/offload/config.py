@@ -111,7 +111,7 @@ class OffloadConfig:
             if changed:
                 raise UsageError(f"--{changed[0].replace('_', '-')} needs --offload-optimizer")
         if self.offload_paths:
-            from megatron_ext.offload.tiers import parse_tier_spec
+            from megatron_ext.offload.paths import parse_tier_spec
 
             seen = {}
             for text in self.offload_paths:

@@ -46,22 +46,19 @@ from megatron_ext.offload.io import (
 )
 from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.locks import NodeLocks
+from megatron_ext.offload.paths import TierFullError, TierSpec, check_free_space
+from megatron_ext.offload.placement import Rebalancer, place_subgroups
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
-from megatron_ext.offload.tiers import (
+from megatron_ext.offload.tier_model import (
     DEVICE_TIER,
     HOST_TIER,
-    Rebalancer,
     Tier,
-    TierFullError,
     TierKind,
-    TierSpec,
     Updater,
     UpdateRates,
-    check_free_space,
     device_budget,
     fixed_device_subgroups,
-    place_subgroups,
     resize_device_tier,
     split_updates,
 )

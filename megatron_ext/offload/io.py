@@ -6,6 +6,12 @@ one file per subgroup, rewritten every step. A file is written under a temporary
 its directory and renamed over the old one, so a reader sees the old state or the new
 one, never a mix, and a crash mid-write leaves the previous file intact.
 
+The block I/O under the files (O_DIRECT opens, whole ``pwrite``/``preadv`` transfers, the
+pool of I/O threads: :func:`open_direct`, :func:`drop_direct`, :func:`pwrite_all`,
+:func:`pread_full`, :class:`IOThreads`) is also what the bandwidth probe
+(:mod:`megatron_ext.offload.probe`) moves its bytes with, so that it measures the engine's
+own I/O.
+
 Temporary files are recycled: a replaced file whose inode nothing else links (no
 checkpoint hard link) is kept as a spare (``.spare-SIZE-TOKEN``, at most
 ``SPARES_PER_SIZE`` per size and directory), and the next write of that size claims it by
@@ -49,6 +55,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -223,6 +230,114 @@ def read_header(path: str) -> dict:
     return _parse_header(bytes(block), path, size)
 
 
+# -- block I/O: what the state files and the bandwidth probe (.probe) both move bytes with
+
+
+def open_direct(path: str, flags: int, mode: int) -> Optional[int]:
+    """Opens ``path`` with O_DIRECT added to ``flags``; None where the file system refuses it.
+
+    A refusal is EINVAL at open (older tmpfs, some network file systems); any other error
+    is raised.
+    """
+    try:
+        return os.open(path, flags | os.O_DIRECT, mode)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        # Linux creates the inode before it checks O_DIRECT support, so a refused
+        # O_EXCL create leaves our empty file behind.
+        if flags & os.O_CREAT:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return None
+
+
+def drop_direct(fd: int) -> None:
+    """Turns O_DIRECT off for ``fd``.
+
+    For a file system that takes the flag at open and refuses the first transfer (EINVAL
+    from pwrite or preadv): the same descriptor goes on with buffered I/O.
+    """
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Writes all of ``buf`` at ``offset`` (one pwrite may write less than asked)."""
+    while len(buf):
+        written = os.pwrite(fd, buf, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwrite returned {written}")
+        buf = buf[written:]
+        offset += written
+
+
+def pread_full(fd: int, buf: memoryview, offset: int) -> int:
+    """Reads into all of ``buf`` from ``offset``, or up to the end of the file.
+
+    Returns:
+        The bytes read: ``len(buf)`` unless the file ends first.
+    """
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
+class IOThreads:
+    """A pool of I/O threads that runs one call's chunk tasks, started on first use.
+
+    The state files and the bandwidth probe (:mod:`megatron_ext.offload.probe`) both move
+    their chunks through it, so that the probe measures the engine's concurrency.
+
+    Attributes:
+        threads: the pool's size; with 1 (or a single task) the tasks run inline.
+    """
+
+    def __init__(self, threads: int, name: str):
+        """A pool of ``threads`` threads named ``name``-N, not started yet."""
+        self.threads = threads
+        self._name = name
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+        self._pool_lock = threading.Lock()
+
+    def run(self, tasks: List[Callable[[], None]]) -> None:
+        """Runs the chunk tasks on the pool; returns only when none is still running.
+
+        Raises:
+            The error of the first failed task (in task order), once no task runs.
+        """
+        if self.threads == 1 or len(tasks) <= 1:
+            for task in tasks:
+                task()
+            return
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix=self._name)
+            pool = self._pool
+        futures = [pool.submit(task) for task in tasks]
+        try:
+            cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        finally:
+            # The caller closes the fd next; a task still running could then write into
+            # whatever file reuses that fd number.
+            for future in futures:
+                future.cancel()
+            cf.wait(futures)
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+
+    def close(self) -> None:
+        """Stops the threads; the pool starts new ones if used again."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 class StateFileIO:
     """Writes and reads state files with a pool of I/O threads.
 
@@ -260,15 +375,11 @@ class StateFileIO:
         self.trace = trace
         self._buffered_dirs: Set[str] = set()
         self._local = threading.local()
-        self._pool: Optional[cf.ThreadPoolExecutor] = None
-        self._pool_lock = threading.Lock()
+        self._workers = IOThreads(threads, "offload-io")
 
     def close(self) -> None:
         """Stops the I/O threads; the instance starts new ones if used again."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._workers.close()
 
     def write(self, path: str, payload: torch.Tensor, *, rank: int, subgroup: int,
               elements: int, step: int) -> int:
@@ -308,14 +419,14 @@ class StateFileIO:
         try:
             try:
                 aligned = src.ctypes.data % ALIGN == 0
-                self._run([
+                self._workers.run([
                     (lambda i=i: self._write_chunk(fd, src, i, chunk, direct, aligned, algo,
                                                    digests))
                     for i in range(nchunks)])
                 block = self._block()
                 _pack_header(block, rank=rank, subgroup=subgroup, elements=elements, step=step,
                              payload_bytes=nbytes, algo=algo, chunk=chunk, digests=digests)
-                _pwrite_all(fd, memoryview(block), 0)
+                pwrite_all(fd, memoryview(block), 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -378,7 +489,7 @@ class StateFileIO:
             hasher = _HASHERS[header["checksum"]]
             chunk, digests = header["chunk_bytes"], header["chunk_digests"]
             aligned = dst.ctypes.data % ALIGN == 0
-            self._run([
+            self._workers.run([
                 (lambda i=i: self._read_chunk(fd, dst, i, chunk, direct, aligned, hasher,
                                               digests[i], header["checksum"], path, size))
                 for i in range(len(digests))])
@@ -433,43 +544,13 @@ class StateFileIO:
     def _open(self, path: str, flags: int, mode: int, directory: str):
         """Opens with O_DIRECT when configured and the directory allows it; (fd, direct)."""
         if self.direct_io and directory not in self._buffered_dirs:
-            try:
-                return os.open(path, flags | os.O_DIRECT, mode), True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                # Linux creates the inode before it checks O_DIRECT support, so a refused
-                # O_EXCL create leaves our empty temp file behind.
-                if flags & os.O_CREAT:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-                self._buffered_dirs.add(directory)
-                self.direct_io_active = False
-                log.warning("offload: %s refuses O_DIRECT; using buffered I/O there", directory)
+            fd = open_direct(path, flags, mode)
+            if fd is not None:
+                return fd, True
+            self._buffered_dirs.add(directory)
+            self.direct_io_active = False
+            log.warning("offload: %s refuses O_DIRECT; using buffered I/O there", directory)
         return os.open(path, flags, mode), False
-
-    def _run(self, tasks: List[Callable[[], None]]) -> None:
-        """Runs the chunk tasks on the pool; returns only when none is still running."""
-        if self.threads == 1 or len(tasks) <= 1:
-            for task in tasks:
-                task()
-            return
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="offload-io")
-            pool = self._pool
-        futures = [pool.submit(task) for task in tasks]
-        try:
-            cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-        finally:
-            # The caller closes the fd next; a task still running could then write into
-            # whatever file reuses that fd number.
-            for future in futures:
-                future.cancel()
-            cf.wait(futures)
-        for future in futures:
-            if not future.cancelled() and future.exception() is not None:
-                raise future.exception()
 
     def _block(self) -> np.ndarray:
         """The calling thread's aligned ALIGN-byte buffer, for the header and payload tails."""
@@ -499,9 +580,9 @@ class StateFileIO:
             for lo in range(0, body, len(bounce)):
                 hi = min(lo + len(bounce), body)
                 bounce[:hi - lo] = piece[lo:hi]
-                _pwrite_all(fd, memoryview(bounce[:hi - lo]), offset + lo)
+                pwrite_all(fd, memoryview(bounce[:hi - lo]), offset + lo)
         elif body:
-            _pwrite_all(fd, memoryview(piece[:body]), offset)
+            pwrite_all(fd, memoryview(piece[:body]), offset)
         tail = len(piece) - body
         if tail:
             # The unaligned end of the payload goes out as one zero-padded block, so that
@@ -509,7 +590,7 @@ class StateFileIO:
             block = self._block()
             block[:tail] = piece[body:]
             block[tail:] = 0
-            _pwrite_all(fd, memoryview(block), offset + body)
+            pwrite_all(fd, memoryview(block), offset + body)
 
     def _read_chunk(self, fd: int, dst: np.ndarray, i: int, chunk: int, direct: bool,
                     aligned: bool, hasher: Optional[Callable], digest: int, algo: str,
@@ -641,24 +722,11 @@ def _parse_header(block: bytes, path: str, size: int) -> dict:
             "chunk_bytes": chunk, "chunk_digests": digests, "file_bytes": size}
 
 
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        written = os.pwrite(fd, buf, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, f"pwrite returned {written}")
-        buf = buf[written:]
-        offset += written
-
-
 def _pread_exact(fd: int, buf: memoryview, offset: int, path: str, size: int) -> None:
-    want = offset + len(buf)
-    while len(buf):
-        got = os.preadv(fd, [buf], offset)
-        if got <= 0:
-            # The size was checked at open, so the file shrank under us.
-            raise _truncated(path, offset, want)
-        buf = buf[got:]
-        offset += got
+    got = pread_full(fd, buf, offset)
+    if got < len(buf):
+        # The size was checked at open, so the file shrank under us.
+        raise _truncated(path, offset + got, offset + len(buf))
 
 
 def _fsync_dir(directory: str) -> None:

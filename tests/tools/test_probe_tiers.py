@@ -8,7 +8,7 @@ import shlex
 
 from tools_testlib import assert_ok, assert_usage_error, run_tool
 
-from megatron_ext.offload.tiers import parse_tier_spec
+from megatron_ext.offload.paths import parse_tier_spec
 
 TINY = ("--size-mb", 2, "--block-mb", 1, "--threads", 2)
 

@@ -16,7 +16,7 @@ import torch
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine, ShardParam
-from megatron_ext.offload.tiers import TierSpec
+from megatron_ext.offload.paths import TierSpec
 
 SIZES = [37, 1000, 5, 2048, 300, 129]
 GROUPS = [0, 1, 0, 1, 0, 1]
@@ -235,7 +235,7 @@ def test_subgroups_the_paths_cannot_hold_stay_in_the_cache(tmp_path, monkeypatch
 
 
 def test_paths_too_small_even_with_the_cache_is_one_clear_error(tmp_path, monkeypatch):
-    from megatron_ext.offload.tiers import TierFullError
+    from megatron_ext.offload.paths import TierFullError
 
     _limit_free_space(monkeypatch, 2)
     with pytest.raises(TierFullError, match="a larger --offload-host-cache-gb helps too"):
@@ -275,7 +275,7 @@ def _check_states(engine, masters, opt):
 def test_device_tier_and_streamed_update_equal_torch_adamw(tmp_path, monkeypatch, layout,
                                                            stream, dtype):
     from megatron_ext.offload.engine import STREAM_SHARE_ENV
-    from megatron_ext.offload.tiers import TierKind
+    from megatron_ext.offload.tier_model import TierKind
 
     if stream:
         monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")

@@ -8,18 +8,16 @@ from fractions import Fraction
 import pytest
 
 from megatron_ext.errors import UsageError
-from megatron_ext.offload import tiers
-from megatron_ext.offload.tiers import (
-    ProbeResult,
-    Rebalancer,
+from megatron_ext.offload import placement, probe, tier_model
+from megatron_ext.offload.paths import (
     TierFullError,
     TierSpec,
     check_free_space,
     format_tier_spec,
     parse_tier_spec,
-    place_subgroups,
-    probe_bandwidth,
 )
+from megatron_ext.offload.placement import Rebalancer, place_subgroups
+from megatron_ext.offload.probe import ProbeResult, probe_bandwidth
 
 GB = 10**9
 
@@ -396,7 +394,7 @@ def test_balancing_is_exact():
     # 0.1 + 0.2 != 0.3 in floats; the exact arithmetic sees a balanced state.
     weights = [Fraction(0.1), Fraction(0.2), Fraction(0.3)]
     assignment = place_subgroups([100] * 60, [0.1, 0.2, 0.3])
-    assert tiers._balancing_moves(assignment, [100] * 60, weights, [None] * 3, None,
+    assert placement._balancing_moves(assignment, [100] * 60, weights, [None] * 3, None,
                                   True) == []
 
 
@@ -423,7 +421,7 @@ def test_probe_leaves_nothing_on_enospc(tmp_path, monkeypatch):
     def no_space(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(tiers.os, "pwrite", no_space)
+    monkeypatch.setattr(probe.os, "pwrite", no_space)
     with pytest.raises(OSError) as info:
         probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=2)
     assert info.value.errno == errno.ENOSPC
@@ -442,7 +440,7 @@ def test_probe_falls_back_when_direct_io_is_refused(tmp_path, monkeypatch):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(tiers.os, "pwrite", refuse_first)
+    monkeypatch.setattr(probe.os, "pwrite", refuse_first)
     result = probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=1, direct_io=True)
     assert not result.direct_io_used and result.write_gbps > 0
     assert os.listdir(tmp_path) == []
@@ -473,12 +471,12 @@ def test_check_free_space(tmp_path):
     (10_000, (1, 1)),          # the CPU tests' subgroups: a short probe
 ])
 def test_probe_plan_follows_the_engine_transfer(subgroup_size, plan):
-    assert tiers.probe_plan(subgroup_size) == plan
+    assert probe.probe_plan(subgroup_size) == plan
 
 
 def test_probe_reports_the_median_of_its_passes(tmp_path, monkeypatch):
     passes = iter([(1.0, 4.0), (9.0, 1.0), (2.0, 2.0)])  # (write s, read s), one outlier each
-    monkeypatch.setattr(tiers, "_probe_fd", lambda *args: next(passes))
+    monkeypatch.setattr(probe, "_probe_fd", lambda *args: next(passes))
     result = probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=2, repeats=3)
     assert result.repeats == 3
     assert result.write_gbps == pytest.approx(2 * 2**20 / 1e9 / 2.0)
@@ -489,7 +487,7 @@ def test_probe_reports_the_median_of_its_passes(tmp_path, monkeypatch):
 def test_probe_repeats_really_move_the_bytes(tmp_path, monkeypatch):
     written = []
     real_pwrite = os.pwrite
-    monkeypatch.setattr(tiers.os, "pwrite", lambda fd, data, offset: written.append(
+    monkeypatch.setattr(probe.os, "pwrite", lambda fd, data, offset: written.append(
         len(data)) or real_pwrite(fd, data, offset))
     probe_bandwidth(str(tmp_path), size_mb=2, block_mb=1, threads=2, repeats=3)
     assert sum(written) == 3 * 2 * 2**20
@@ -501,7 +499,7 @@ def test_probe_repeats_really_move_the_bytes(tmp_path, monkeypatch):
 @pytest.mark.parametrize("count,n,expected", [
     (0, 5, []), (1, 5, [2]), (2, 6, [1, 4]), (3, 6, [1, 3, 5]), (6, 6, [0, 1, 2, 3, 4, 5])])
 def test_spread(count, n, expected):
-    assert tiers.spread(count, n) == expected
+    assert tier_model.spread(count, n) == expected
 
 
 @pytest.mark.parametrize("sizes,budget,expected", [
@@ -513,7 +511,7 @@ def test_spread(count, n, expected):
     ([], 100, []),
 ])
 def test_fixed_device_subgroups(sizes, budget, expected):
-    assert tiers.fixed_device_subgroups(sizes, budget) == expected
+    assert tier_model.fixed_device_subgroups(sizes, budget) == expected
 
 
 @pytest.mark.parametrize("limit,peak,states,reserve,expected", [
@@ -524,7 +522,7 @@ def test_fixed_device_subgroups(sizes, budget, expected):
     (100, 10, 40, 0, 100),    # a peak below the states (measured before they existed)
 ])
 def test_device_budget(limit, peak, states, reserve, expected):
-    assert tiers.device_budget(limit, peak, states, reserve) == expected
+    assert tier_model.device_budget(limit, peak, states, reserve) == expected
 
 
 @pytest.mark.parametrize("members,budget,candidates,joining,leaving", [
@@ -537,7 +535,7 @@ def test_device_budget(limit, peak, states, reserve, expected):
 ])
 def test_resize_device_tier(members, budget, candidates, joining, leaving):
     sizes = [10, 10, 10, 10, 10, 2]
-    assert tiers.resize_device_tier(members, sizes, budget, candidates) == (joining, leaving)
+    assert tier_model.resize_device_tier(members, sizes, budget, candidates) == (joining, leaving)
 
 
 @pytest.mark.parametrize("bpe,h2d,d2h,device,expected", [
@@ -546,13 +544,13 @@ def test_resize_device_tier(members, budget, candidates, joining, leaving):
     (12, 1200.0, 1200.0, 50e9, 50e9),   # device-bound
 ])
 def test_stream_rate(bpe, h2d, d2h, device, expected):
-    assert tiers.stream_rate(bpe, h2d, d2h, device) == pytest.approx(expected)
+    assert tier_model.stream_rate(bpe, h2d, d2h, device) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("cpu,stream,expected", [
     (None, None, 0.5), (4e9, None, 0.5), (4e9, 4e9, 0.5), (1e9, 3e9, 0.75), (3e9, 1e9, 0.25)])
 def test_stream_share_makes_both_sides_end_together(cpu, stream, expected):
-    share = tiers.stream_share(cpu, stream)
+    share = tier_model.stream_share(cpu, stream)
     assert share == pytest.approx(expected)
     if cpu and stream:
         n = 1e9
@@ -568,7 +566,7 @@ def test_stream_share_makes_both_sides_end_together(cpu, stream, expected):
     ([], 0.5, []),
 ])
 def test_split_updates(sizes, share, expected):
-    got = tiers.split_updates(sizes, share)
+    got = tier_model.split_updates(sizes, share)
     assert got == expected
     if sizes:
         streamed = sum(s for s, on in zip(sizes, got) if on)
@@ -576,7 +574,7 @@ def test_split_updates(sizes, share, expected):
 
 
 def test_update_rates_follow_the_measurements():
-    rates = tiers.UpdateRates(alpha=0.5)
+    rates = tier_model.UpdateRates(alpha=0.5)
     assert rates.share() == 0.5
     rates.observe(4_000, 1.0, 0, 0.0)          # nothing streamed yet: the prior
     assert rates.share() == 0.5
@@ -588,6 +586,7 @@ def test_update_rates_follow_the_measurements():
 
 
 def test_tier_records():
-    assert str(tiers.DEVICE_TIER) == "device" and str(tiers.HOST_TIER) == "host"
-    assert str(tiers.Tier(tiers.TierKind.PATH, 1)) == "path1"
-    assert tiers.Tier(tiers.TierKind.PATH, 1) == tiers.Tier(tiers.TierKind.PATH, 1)
+    assert str(tier_model.DEVICE_TIER) == "device" and str(tier_model.HOST_TIER) == "host"
+    assert str(tier_model.Tier(tier_model.TierKind.PATH, 1)) == "path1"
+    assert (tier_model.Tier(tier_model.TierKind.PATH, 1)
+            == tier_model.Tier(tier_model.TierKind.PATH, 1))

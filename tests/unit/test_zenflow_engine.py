@@ -201,7 +201,7 @@ def tiered_engine_factory(tmp_path, dtype, made: list):
     subgroups (they cut through groups, pieces and columns), a cache of three of them."""
     from megatron_ext.offload.config import OffloadConfig
     from megatron_ext.offload.engine import OffloadEngine
-    from megatron_ext.offload.tiers import TierSpec
+    from megatron_ext.offload.paths import TierSpec
 
     tiers = []
     for i in range(2):
