@@ -189,8 +189,12 @@ def _load_builtins() -> None:
     if _builtins_loaded:
         return
     _builtins_loaded = True  # first: the modules' register() calls come back here
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+    try:
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+    except BaseException:
+        _builtins_loaded = False  # the next lookup raises again instead of missing a mode
+        raise
 
 
 def register(mode: Mode) -> Mode:
