@@ -18,9 +18,9 @@ with the content metadata Megatron-LM writes (``distrib_optim_sharding_type``,
 ``iteration``, ``opt_param_scheduler`` (counted in samples),
 ``num_floating_point_operations_so_far``; ``rng_state`` a ShardedObject per (PP, TP) rank.
 This project's extras ride along as common keys (``config``, ``train_state``,
-``world_size``, ``padded_vocab_size``), the offload engine's files beside. Format 1 (this
-project's earlier one: rng states in ``rng/rank_NNNNN.pt``, the scheduler in iterations)
-still loads.
+``world_size``, ``padded_vocab_size``), an optimizer mode's own files beside (the offload
+engine's). Format 1 (this project's earlier one: rng states in ``rng/rank_NNNNN.pt``, the
+scheduler in iterations) still loads.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from megatron_ext.optim.chain import (
     load_external_state,
     save_external_state,
 )
+from megatron_ext.optim.modes import mode_of
 from megatron_ext.runtime.faults import Faults
 from megatron_ext.runtime.signals import shielded_helpers
 
@@ -475,13 +476,12 @@ def _load_scheduler(scheduler, saved: dict, ck, path: str) -> None:
     scheduler.load_state_dict(saved)
 
 
-def _optimizer_kind(config: dict) -> str:
-    """Which optimizer a run config uses, in words (their checkpoint states differ)."""
-    if config.get("zenflow", {}).get("zenflow"):
-        return "--zenflow"
-    if config.get("offload", {}).get("offload_optimizer"):
-        return "--offload-optimizer"
-    return "the plain optimizer"
+def _optimizer_kind(config) -> str:
+    """Which optimizer mode a run config (or a saved one) uses, in words.
+
+    Their checkpoint states differ.
+    """
+    return mode_of(config).words
 
 
 def _same_layout(common: dict, legacy: bool, runtime) -> bool:
@@ -580,7 +580,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
         raise UsageError(f"--load {path}: the checkpoint holds no optimizer state (saved with "
                          "--no-save-optim); add --no-load-optim or --finetune")
     if with_optimizer:
-        saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg.to_dict())
+        saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg)
         if saved != now:
             raise UsageError(f"--load {path}: its optimizer state was saved by {saved} and this "
                              f"run uses {now}; add --finetune (model weights only) or "

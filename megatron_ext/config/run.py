@@ -12,6 +12,7 @@ from megatron_ext.config.training import OptimizerConfig, TrainingConfig
 from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
+from megatron_ext.optim.modes import enabled_modes
 from megatron_ext.runtime.batch_schedule import check_rampup, train_iters_from_samples
 from megatron_ext.runtime.faults import FaultConfig
 from megatron_ext.zenflow.config import ZenFlowConfig
@@ -94,41 +95,11 @@ class RunConfig:
             ckpt.load_optim = False
         if ckpt.finetune and not ckpt.load:
             raise UsageError("--finetune needs --load DIR (the pretrained checkpoint)")
-        opt = self.optimizer
-        if opt.optimizer_cpu_offload and not self.parallel.use_distributed_optimizer:
-            raise UsageError("--optimizer-cpu-offload needs --use-distributed-optimizer")
-        if opt.optimizer_cpu_offload and opt.optimizer != "adam":
-            raise UsageError("--optimizer-cpu-offload supports --optimizer adam only")
-        if self.training.fp16 and opt.optimizer_cpu_offload:
-            raise UsageError("--optimizer-cpu-offload does not support --fp16; use --bf16")
-        if self.offload.offload_optimizer:
-            if not self.parallel.use_distributed_optimizer:
-                raise UsageError("--offload-optimizer offloads the distributed optimizer's shard: "
-                                 "add --use-distributed-optimizer")
-            if opt.optimizer_cpu_offload:
-                raise UsageError("--offload-optimizer and --optimizer-cpu-offload are two "
-                                 "offloads of the same states; choose one")
-            if opt.optimizer != "adam":
-                raise UsageError("--offload-optimizer supports --optimizer adam only")
-        if opt.use_precision_aware_optimizer and not self.offload.offload_optimizer:
-            raise UsageError("--use-precision-aware-optimizer is honoured by --offload-optimizer "
-                             "only: megatron-core implements it with Transformer Engine's "
-                             "FusedAdam, which this project does not wire; add "
-                             "--offload-optimizer or drop the flag")
-        if self.zenflow.zenflow and (opt.use_precision_aware_optimizer
-                                     or self.offload.device_cache_auto
-                                     or self.offload.device_cache_bytes() > 0):
-            raise UsageError("--zenflow keeps its own GPU states: --use-precision-aware-optimizer "
-                             "and --offload-device-cache-gb apply to --offload-optimizer alone")
-        if self.zenflow.zenflow:
-            if not self.parallel.use_distributed_optimizer:
-                raise UsageError("--zenflow splits the distributed optimizer's shard between the "
-                                 "GPU and the CPU: add --use-distributed-optimizer")
-            if opt.optimizer_cpu_offload:
-                raise UsageError("--zenflow and --optimizer-cpu-offload both move optimizer "
-                                 "states to the host; choose one")
-            if opt.optimizer != "adam":
-                raise UsageError("--zenflow supports --optimizer adam only")
+        # The rules each enabled optimizer mode puts on the other flags (the plain mode's
+        # always: megatron-core's --optimizer-cpu-offload), in the registry's order.
+        for mode in enabled_modes(self):
+            for requirement in mode.requirements:
+                requirement.check(self)
         model = self.model
         if model.recompute_granularity == "selective" and model.attention_backend == "sdpa":
             # Selective recompute wraps megatron-core's core attention module; the SDPA

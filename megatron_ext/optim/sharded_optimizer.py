@@ -293,6 +293,10 @@ def bound_distributed_optimizer(cls, **kwargs):
 
     ``get_megatron_optimizer`` looks ``DistributedOptimizer`` up by name when it builds
     one, so a subclass bound there is used for every model chunk.
+
+    Yields:
+        the bound subclass: what the factory built is checked against it with
+        :func:`check_bound`.
     """
     import megatron.core.optimizer as mcore_optimizer
 
@@ -304,7 +308,28 @@ def bound_distributed_optimizer(cls, **kwargs):
     original = mcore_optimizer.DistributedOptimizer
     mcore_optimizer.DistributedOptimizer = Bound
     try:
-        yield
+        yield Bound
     finally:
         mcore_optimizer.DistributedOptimizer = original
+
+
+def check_bound(optimizer, bound: type):
+    """Returns ``optimizer`` when each optimizer of its chain is an instance of ``bound``.
+
+    The binding relies on megatron-core's factory looking ``DistributedOptimizer`` up by
+    name in ``megatron.core.optimizer``; a megatron-core whose factory does not would
+    silently train with its own optimizer instead of the mode's.
+
+    Raises:
+        RuntimeError: the factory built another class (named, with the likely cause).
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, bound):
+            raise RuntimeError(
+                f"megatron-core's optimizer factory built {type(opt).__module__}."
+                f"{type(opt).__qualname__}, not the bound {bound.__name__}: this megatron-core "
+                "no longer builds its DistributedOptimizer through the name in "
+                "megatron.core.optimizer, where megatron_ext binds its optimizers (the "
+                "project is written for megatron-core 0.16)")
+    return optimizer
 

@@ -1,7 +1,9 @@
 """The training loop: megatron-core schedules, DDP, optimizer, scheduler, checkpoints.
 
-The loop never names a training mode: offload and ZenFlow enter through
-:func:`megatron_ext.training.optimizer.build_optimizer` and the optimizer's own methods.
+The loop never names a training mode: each one (the registered optimizer modes of
+:mod:`megatron_ext.optim.modes`, e.g. offload and ZenFlow) enters through
+:func:`megatron_ext.training.optimizer.build_optimizer`, the optimizer's own methods and
+its metrics, which :func:`~megatron_ext.training.metrics.format_line` hands to the modes.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ Only rank 0 writes. Names carry their units (``time/forward_s``, ``memory/gpu_ma
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -16,6 +15,8 @@ from typing import Optional
 
 import psutil
 import torch
+
+from megatron_ext.optim.modes import log_summaries
 
 GIB = 1024**3
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -157,35 +158,11 @@ def format_line(record: dict, train_iters: int, throughput: bool = True) -> str:
                          for k in ("time/forward_s", "time/backward_s", "time/grad_sync_s",
                                    "time/optimizer_s") if k in record)
     parts.append(f"breakdown (ms): {breakdown}")
-    if "offload/cache_hit_rate" in record:
-        parts.append(_offload_summary(record))
-    parts += [section for section in map(functools.partial(_section, record), LINE_SECTIONS)
-              if section]
+    # Each optimizer mode's part (from its own metrics in the record, e.g. ``zenflow/*``).
+    parts += log_summaries(record)
     if record.get("time/eta_s") is not None:
         parts.append(f"ETA {eta_text(record['time/eta_s'])}")
     return " | ".join(parts) + " |"
-
-
-# What an optimizer's own metrics put on the stdout line, after the loop's fields: one
-# section per metric prefix, shown when the record has that prefix's metrics. A mode
-# that reports ``PREFIX/*`` metrics (its optimizer's metrics()) adds a row here; the loop
-# itself names no mode. Rows: (prefix, [(metric, label, format)]), "ms" formats seconds.
-LINE_SECTIONS = [
-    ("zenflow", [("rho", "rho", ".3f"), ("update_interval", "S", ".0f"),
-                 ("stall_s", "stall (ms)", "ms"), ("selected_ratio", "selected", ".1%")]),
-]
-
-
-def _section(record: dict, row) -> str:
-    prefix, fields = row
-    shown = []
-    for metric, label, spec in fields:
-        value = record.get(f"{prefix}/{metric}")
-        if value is None:
-            continue
-        text = f"{value * 1000:.1f}" if spec == "ms" else format(value, spec)
-        shown.append(f"{label} {text}")
-    return f"{prefix}: " + " ".join(shown) if shown else ""
 
 
 def eta_text(seconds: float) -> str:
@@ -228,20 +205,6 @@ def dir_size_text(path: str) -> str:
             except OSError:
                 continue
     return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
-
-
-def _offload_summary(record: dict) -> str:
-    """The offload engine's part of the stdout line.
-
-    Main-thread phases, the I/O threads' busy time (which overlaps them), cache hits and
-    bytes moved per iteration.
-    """
-    ms = lambda key: record.get(f"offload/{key}", 0.0) * 1000  # noqa: E731
-    return (f"offload (ms): stall {ms('stall_s'):.1f} convert {ms('convert_s'):.1f} "
-            f"update {ms('update_s'):.1f} writeback {ms('writeback_s'):.1f}, io threads "
-            f"fetch {ms('fetch_bg_s'):.1f} flush {ms('flush_bg_s'):.1f} lock wait "
-            f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
-            f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
 
 
 def memory_stats(runtime) -> dict:
