@@ -29,14 +29,13 @@ import dataclasses
 import logging
 import os
 import queue
-import random
 import shutil
 from typing import Optional
 
-import numpy as np
 import torch
 
-from megatron_ext.checkpoint import checkpoint_args, integrity, megatron_args
+from megatron_ext.checkpoint import checkpoint_args, integrity, megatron_args, rng
+from megatron_ext.checkpoint import scheduler as scheduler_state
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import (
     inner_torch_optimizers,
@@ -104,47 +103,6 @@ def _write_atomic(path: str, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _rng_state(runtime) -> dict:
-    """The random states of this process under Megatron-LM's names (its get_rng_state)."""
-    from megatron.core import tensor_parallel
-
-    state = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-    }
-    if not runtime.is_cpu:
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-# Format 1's names of the same states.
-_LEGACY_RNG_KEYS = {"random": "random_rng_state", "numpy": "np_rng_state",
-                    "torch": "torch_rng_state", "cuda": "cuda_rng_state",
-                    "tracker": "rng_tracker_states"}
-
-
-def _set_rng_state(state: dict, runtime) -> None:
-    from megatron.core import tensor_parallel
-
-    state = {_LEGACY_RNG_KEYS.get(k, k): v for k, v in state.items()}
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if not runtime.is_cpu and "cuda_rng_state" in state:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def _rng_sharded_object(runtime):
-    """Megatron-LM's ``rng_state``: one object per (PP, TP) rank, DP ranks its replicas."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return ShardedObject("rng_state", [_rng_state(runtime)], (runtime.pp, runtime.tp),
-                         (runtime.pp_rank, runtime.tp_rank), replica_id=runtime.dp_rank)
 
 
 def sharded_metadata(cfg) -> dict:
@@ -270,7 +228,7 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         "iteration": train_state.iteration,
         "opt_param_scheduler": scheduler.state_dict(),
         "num_floating_point_operations_so_far": train_state.num_floating_point_operations_so_far,
-        "rng_state": _rng_sharded_object(runtime),
+        "rng_state": rng.rng_sharded_object(runtime),
         # This project's extras.
         "train_state": dataclasses.asdict(train_state),
         "config": cfg.to_dict(),
@@ -424,58 +382,6 @@ def check_model(common: dict, cfg, padded_vocab: int, path: str) -> None:
     checkpoint_args.check_settings(common, cfg.model, padded_vocab, path)
 
 
-# The schedule values megatron-core's OptimizerParamScheduler checks at load, with the
-# flags that set them.
-# Lengths are in samples (iterations x global batch with the iteration flags).
-_SCHEDULE = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
-             ("lr_warmup_steps", "--lr-warmup-iters/samples/fraction, in samples"),
-             ("lr_decay_steps", "--lr-decay-iters/samples or the training length, in samples"),
-             ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"),
-             ("end_wd", "--weight-decay"),
-             ("wd_incr_steps", "--train-iters/--train-samples, in samples"),
-             ("wd_incr_style", "weight-decay style"))
-
-
-def schedule_differences(saved: dict, scheduler) -> list:
-    """'name: checkpoint X, flags Y' for each schedule value that differs. Pure."""
-    out = []
-    for key, flag in _SCHEDULE:
-        if key in saved and saved[key] != getattr(scheduler, key, saved[key]):
-            out.append(f"{key} ({flag}) {saved[key]} in the checkpoint, {getattr(scheduler, key)} "
-                       "from the flags")
-    return out
-
-
-def scheduler_in_samples(saved: dict, global_batch_size: int) -> dict:
-    """A format-1 scheduler state (counted in iterations) counted in samples. Pure.
-
-    Format 1 stepped the scheduler once per iteration of a constant global batch; its
-    step counts and lengths times that batch are what Megatron-LM's scheduler counts.
-    """
-    out = dict(saved)
-    for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
-        if key in out:
-            out[key] = out[key] * global_batch_size
-    return out
-
-
-def _load_scheduler(scheduler, saved: dict, ck, path: str) -> None:
-    """Loads the schedule by Megatron-LM's rule.
-
-    The flags' schedule with --override-opt_param-scheduler, the checkpoint's with
-    --use-checkpoint-opt_param-scheduler, else they must agree.
-    """
-    diff = schedule_differences(saved, scheduler)
-    if diff and not (ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler):
-        raise UsageError(f"--load {path}: the learning-rate schedule differs from the "
-                         f"checkpoint's: {'; '.join(diff)}; add --override-opt_param-scheduler "
-                         "(use the flags) or --use-checkpoint-opt_param-scheduler (keep the "
-                         "checkpoint's)")
-    scheduler.override_opt_param_scheduler = ck.override_opt_param_scheduler
-    scheduler.use_checkpoint_opt_param_scheduler = not ck.override_opt_param_scheduler
-    scheduler.load_state_dict(saved)
-
-
 def _optimizer_kind(config) -> str:
     """Which optimizer mode a run config (or a saved one) uses, in words.
 
@@ -594,7 +500,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
                 and _same_layout(common, legacy, runtime))
     sharded_rng = rng_here and not legacy and not getattr(args, "no_save_rng", False)
     if sharded_rng:
-        state["rng_state"] = _rng_sharded_object(runtime)
+        state["rng_state"] = rng.rng_sharded_object(runtime)
     loaded = _load_sharded(state, path, cfg.checkpoint.dist_ckpt_strictness)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         _unwrap(chunk).load_state_dict(loaded[key])
@@ -622,13 +528,14 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
         # --no-load-optim, which starts both fresh).
         saved = loaded["opt_param_scheduler"]
         if legacy:
-            saved = scheduler_in_samples(saved, common["config"]["training"]["global_batch_size"])
-        _load_scheduler(scheduler, saved, ck, path)
+            saved = scheduler_state.scheduler_in_samples(
+                saved, common["config"]["training"]["global_batch_size"])
+        scheduler_state.load_scheduler(scheduler, saved, ck, path)
     if sharded_rng:
-        _set_rng_state(loaded["rng_state"][0], runtime)
+        rng.set_rng_state(loaded["rng_state"][0], runtime)
     elif rng_here and legacy and os.path.isfile(
             rng_file := os.path.join(path, "rng", f"rank_{runtime.rank:05d}.pt")):
-        _set_rng_state(integrity.safe_load(rng_file, "random-number-generator state"), runtime)
+        rng.set_rng_state(integrity.safe_load(rng_file, "random-number-generator state"), runtime)
     elif ck.load_rng and runtime.rank == 0 and not ck.finetune:
         log.warning("checkpoint was saved at another parallel layout (or without rng states): "
                     "random states not restored")

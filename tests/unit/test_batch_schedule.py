@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.checkpoint.checkpointing import scheduler_in_samples
+from megatron_ext.checkpoint.scheduler import scheduler_in_samples
 from megatron_ext.config import parse_config
 from megatron_ext.errors import UsageError
 from megatron_ext.runtime.batch_schedule import (
