@@ -2,7 +2,7 @@
 
 What runs, on one machine, in one process, over N elements (default 1.15e9: the delayed
 columns of the 1.28B reference GPT at k=0.1):
-  * torch-accumulate: CpuSide's torch path (bf16 grad -> fp32 chunk, clip, add), once;
+  * torch-accumulate: CpuWorker's torch path (bf16 grad -> fp32 chunk, clip, add), once;
   * c-accumulate@T: the one-pass C kernel (megatron_ext/runtime/host_kernels.py) with T
     threads, --repeats times each;
   * adam: torch's fused CPU AdamW on N fp32 elements (what a window's update runs),
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from megatron_ext.optim.adamw import adam_update  # noqa: E402
 from megatron_ext.runtime import host_kernels  # noqa: E402
-from megatron_ext.zenflow.cpu_worker import CpuSide  # noqa: E402
+from megatron_ext.zenflow.cpu_worker import CpuWorker  # noqa: E402
 
 ACC_BYTES = 10
 ADAM_BYTES = 28
@@ -67,12 +67,12 @@ def main():
     lib = host_kernels.load()
     grad = torch.randn(n, dtype=torch.bfloat16)
     acc = torch.zeros(n)
-    side = CpuSide({}, torch.bfloat16, pin=False)
+    side = CpuWorker({}, torch.bfloat16, pin=False)
     side._kernels = None
     out = {"numel": n, "torch_threads": torch.get_num_threads(), "cpus": platform.machine(),
            "host_kernels": lib is not None, "runs": {}}
     out["runs"]["torch-accumulate"] = rates(timed(
-        lambda: side._add_fp32(acc, grad, None, 0.5, False, None), 1), n, ACC_BYTES)
+        lambda: side._add_fp32(acc, [grad], [None], [0.5], False, None), 1), n, ACC_BYTES)
     print("torch-accumulate", out["runs"]["torch-accumulate"], flush=True)
     for t in [int(x) for x in args.threads.split(",")]:
         out["runs"][f"c-accumulate@{t}"] = rates(timed(

@@ -36,6 +36,7 @@ class RunConfig:
 
     def __post_init__(self):
         self._check_flags()
+        self.zenflow.resolve_cpu_states(offload_optimizer=self.offload.offload_optimizer)
         self._check_schedule_flags()
 
     def _check_schedule_flags(self) -> None:

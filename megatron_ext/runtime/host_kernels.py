@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
          "-pthread"]
-DISABLE_ENV = "MEGATRON_EXT_NO_HOST_KERNELS"
-"""Set to 1 to use the torch paths (for comparisons)."""
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
@@ -96,13 +94,15 @@ def _build() -> Optional[ctypes.CDLL]:
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """The built library, or None (no compiler, a failed build, $MEGATRON_EXT_NO_HOST_KERNELS)."""
+    """The built library, or None (no compiler, a failed build).
+
+    Callers that may use the torch path instead decide so themselves (ZenFlow's
+    ``zenflow_no_host_kernels`` knob, $MEGATRON_EXT_NO_HOST_KERNELS) and then do not ask.
+    """
     global _loaded, _tried
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-                return None
             try:
                 _loaded = _build()
             except OSError as exc:

@@ -21,7 +21,6 @@ the same results bit for bit.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -34,9 +33,6 @@ MARGIN_BYTES = 1 << 30
 MARGIN_SHARE = 0.05
 """... or this share of the device's memory when that is more (fragmentation, the peaks
 of later iterations, re-selections that grow the delayed set a little)."""
-FREE_BYTES_ENV = "MEGATRON_EXT_ZENFLOW_DEVICE_FREE_BYTES"
-"""Test hook: the free device memory auto sees (bytes), instead of measuring it; lets a
-CPU-only run take either branch of the auto rule."""
 CHUNK = 1 << 26
 """Elements converted to fp32 at a time when a step's grads are unscaled or clipped on
 the device before the add (256 MB of fp32 scratch)."""
@@ -76,17 +72,18 @@ def choose_place(mode: str, need_bytes: int, free_bytes: Optional[int],
                     f"{need_bytes / gib:.2f} GiB accumulator + {margin / gib:.2f} GiB margin")
 
 
-def measured_free_memory(device: torch.device) -> Tuple[Optional[int], Optional[int]]:
-    """(free, total) bytes of ``device``; $MEGATRON_EXT_ZENFLOW_DEVICE_FREE_BYTES if set.
+def measured_free_memory(device: torch.device, free_bytes: Optional[int] = None
+                         ) -> Tuple[Optional[int], Optional[int]]:
+    """(free, total) bytes of ``device``; ``(free_bytes, None)`` when the test hook gives it.
 
-    On a GPU, the driver's free memory: what the caching allocator already holds stays
-    for the activations of the next iterations. (None, None) on a CPU without the hook.
+    ``free_bytes``: the ``zenflow_device_free_bytes`` knob of
+    :class:`~megatron_ext.zenflow.config.ZenFlowConfig`
+    ($MEGATRON_EXT_ZENFLOW_DEVICE_FREE_BYTES). On a GPU, the driver's free memory: what
+    the caching allocator already holds stays for the activations of the next iterations.
+    (None, None) on a CPU without the hook.
     """
-    value = os.environ.get(FREE_BYTES_ENV, "").strip()
-    if value:
-        if not value.isdigit():
-            raise UsageError(f"{FREE_BYTES_ENV}={value}: give a number of bytes")
-        return int(value), None
+    if free_bytes is not None:
+        return int(free_bytes), None
     if device.type != "cuda":
         return None, None
     free, total = torch.cuda.mem_get_info(device)

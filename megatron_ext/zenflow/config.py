@@ -6,10 +6,51 @@ import dataclasses
 from typing import Optional
 
 from megatron_ext.errors import UsageError
-from megatron_ext.runtime.fields import option
+from megatron_ext.runtime.fields import knob, option
+from megatron_ext.zenflow.cpu_affinity import check_cpus
 
 AUTO_MAX_INTERVAL = 16
 """The longest window ``--zenflow-update-interval auto`` opens."""
+
+STAGING_SLOTS = 3
+"""Steps of delayed grads that may wait in pinned memory for the accumulate thread (each
+slot holds one step's delayed grads in the training dtype: 2 bytes x (1-k) x parameters)."""
+
+CPUS_ENV = "MEGATRON_EXT_ZENFLOW_CPUS"
+THREADS_ENV = "MEGATRON_EXT_ZENFLOW_THREADS"
+STAGING_ENV = "MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"
+FREE_BYTES_ENV = "MEGATRON_EXT_ZENFLOW_DEVICE_FREE_BYTES"
+JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
+NO_HOST_KERNELS_ENV = "MEGATRON_EXT_NO_HOST_KERNELS"
+
+
+def _whole_number(what: str):
+    """A parse of a whole number >= 1 whose error names ``what`` it counts."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"give a whole number of {what}, at least 1")
+        return int(text)
+    return parse
+
+
+def _bytes(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError("give a number of bytes")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise ValueError("give a number of seconds >= 0")
+    return value
+
+
+def _disabled(text: str) -> bool:
+    return text != "0"
 
 
 @dataclasses.dataclass
@@ -54,6 +95,37 @@ class ZenFlowConfig:
     forward-backward), exceeds the accumulator by a margin (1 GiB or a twentieth of the
     GPU's memory, whichever is larger), else host; host on a CPU-only run. Both places
     give the same results bit for bit."""
+    zenflow_cpu_states: str = option("auto", choices=("auto", "host", "tiers"))
+    """Where the CPU side keeps its fp32 masters and Adam moments (the delayed columns').
+    tiers: in the offload engine's host cache and --offload-paths files (needs
+    --offload-optimizer; the accumulators and the weights waiting for the model stay in
+    host memory); host: in host memory; auto: tiers when --offload-optimizer is given,
+    else host."""
+
+    zenflow_cpus: str = knob("", env=CPUS_ENV, parse=check_cpus, metavar="CPUS")
+    """The CPUs of the CPU side's threads (accumulation, Adam, and the workers they start),
+    e.g. 2-15 or 1,3,8-11, or all; they must be CPUs this process may use. Unset: on a GPU,
+    all of them but the first 2 per training process sharing them and those CPUs' cores'
+    hyperthread siblings (none left out when too few would remain); on a CPU run, all."""
+    zenflow_threads: Optional[int] = knob(None, env=THREADS_ENV,
+                                          parse=_whole_number("threads"))
+    """Threads of one accumulation of the delayed gradients on the host. Unset: half of
+    torch's thread count, at most the CPU side's CPUs."""
+    zenflow_staging_slots: int = knob(STAGING_SLOTS, env=STAGING_ENV,
+                                      parse=_whole_number("slots"))
+    """Steps of delayed gradients that may wait in pinned memory for the accumulate thread
+    (at least 1; up to slots - 1 are added in one pass). Each slot is 2 bytes x (1-k) x the
+    parameters: fewer save host memory on large models, at the price of more waiting."""
+    zenflow_device_free_bytes: Optional[int] = knob(None, env=FREE_BYTES_ENV, parse=_bytes)
+    """Test hook: the free device memory (bytes) --zenflow-accumulate auto sees instead of
+    measuring it; lets a CPU-only run take either branch of the auto rule."""
+    zenflow_jitter: float = knob(0.0, env=JITTER_ENV, parse=_seconds)
+    """Test hook: a maximum delay in seconds, slept at random before each task of the CPU
+    side's threads."""
+    zenflow_no_host_kernels: bool = knob(False, env=NO_HOST_KERNELS_ENV, parse=_disabled)
+    """The host accumulation uses torch's ops instead of the one-pass C kernel
+    (runtime/host_kernels.py), for comparisons; the same results bit for bit. The variable
+    disables it with any value but 0."""
 
     def __post_init__(self):
         if not 0.0 < self.zenflow_topk_ratio <= 1.0:
@@ -79,11 +151,29 @@ class ZenFlowConfig:
         if self.zenflow_accumulate not in ("auto", "device", "host"):
             raise UsageError(f"--zenflow-accumulate {self.zenflow_accumulate}: give auto, "
                              "device or host")
+        if self.zenflow_cpu_states not in ("auto", "host", "tiers"):
+            raise UsageError(f"--zenflow-cpu-states {self.zenflow_cpu_states}: give auto, host "
+                             "or tiers")
         if not self.zenflow:
+            # Knobs (hidden, from the environment) are not flags the user gave here.
             changed = [f.name for f in dataclasses.fields(self) if f.name != "zenflow"
-                       and getattr(self, f.name) != f.default]
+                       and not f.metadata.get("hidden") and getattr(self, f.name) != f.default]
             if changed:
                 raise UsageError(f"--{changed[0].replace('_', '-')} needs --zenflow")
+
+    def resolve_cpu_states(self, offload_optimizer: bool) -> None:
+        """Settles ``auto`` of --zenflow-cpu-states: tiers with --offload-optimizer, else host.
+
+        Called once, by the run's config (which knows the offload flags); with --zenflow
+        only. Refuses tiers without --offload-optimizer.
+        """
+        if not self.zenflow:
+            return
+        if self.zenflow_cpu_states == "auto":
+            self.zenflow_cpu_states = "tiers" if offload_optimizer else "host"
+        if self.zenflow_cpu_states == "tiers" and not offload_optimizer:
+            raise UsageError("--zenflow-cpu-states tiers keeps ZenFlow's CPU-side states in the "
+                             "offload tiers: add --offload-optimizer (and --offload-paths)")
 
     @property
     def fixed_interval(self) -> Optional[int]:

@@ -101,7 +101,7 @@ def _engine_on_cuda(place: str, steps: int = 12):
     6, a clip coefficient every 5th step; returns (weights on the host, engine facts)."""
     from megatron_ext.optim.sharded_optimizer import Shard
     from megatron_ext.zenflow.config import ZenFlowConfig
-    from megatron_ext.zenflow.optimizer import ZenFlowEngine
+    from megatron_ext.zenflow.engine import ZenFlowEngine
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(1)

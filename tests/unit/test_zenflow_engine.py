@@ -26,9 +26,10 @@ from torch.optim.adam import adam
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.sharded_optimizer import Shard
 from megatron_ext.runtime import host_kernels
-from megatron_ext.zenflow import cpu_worker
+from megatron_ext.zenflow import cpu_affinity, cpu_worker
 from megatron_ext.zenflow.config import ZenFlowConfig
-from megatron_ext.zenflow.optimizer import KINDS, ZenFlowEngine
+from megatron_ext.zenflow.cpu_states import KINDS, TieredCpuStates
+from megatron_ext.zenflow.engine import ZenFlowEngine
 from megatron_ext.zenflow.selection import top_columns
 
 # (shape, param group, owned range as fractions of the flattened parameter)
@@ -186,18 +187,16 @@ def engine_state(engine, shards):
         for group in engine.gpu_plan.sizes:
             engine.gpu_plan.scatter(group, engine.gpu[kind][group], full[kind].__getitem__)
         for group, n in engine.cpu_plan.sizes.items():
-            if isinstance(engine.cpu, cpu_worker.TieredCpuSide):  # states in the engine's files
-                parts = [torch.empty(n) for _ in KINDS]
-                engine.cpu.read_states(group, 0, n, parts)
-                values = parts[KINDS.index(kind)]
-            else:
-                values = getattr(engine.cpu, kind)[group]
+            # Through the CPU side's interface: in host memory or in the engine's files.
+            parts = [torch.empty(n) for _ in KINDS]
+            engine.states.read(group, 0, n, parts)
+            values = parts[KINDS.index(kind)]
             engine.cpu_plan.scatter(group, values, full[kind].__getitem__)
     return full
 
 
 def tiered_engine_factory(tmp_path, dtype, made: list):
-    """make_cpu_engine for ZenFlowEngine: offload engines on two tier directories, small
+    """make_engine for TieredCpuStates: offload engines on two tier directories, small
     subgroups (they cut through groups, pieces and columns), a cache of three of them."""
     from megatron_ext.offload.config import OffloadConfig
     from megatron_ext.offload.engine import OffloadEngine
@@ -221,14 +220,20 @@ def tiered_engine_factory(tmp_path, dtype, made: list):
 
 def run_both(cfg, dtype, steps, monkeypatch=None, jitter=None, make_cpu_engine=None,
              keep_open=False, place="host"):
-    """The engine and the reference over ``steps`` steps; ``place``: the accumulation's."""
+    """The engine and the reference over ``steps`` steps; ``place``: the accumulation's.
+
+    ``make_cpu_engine``: the CPU side's states in offload engines it makes (else in host
+    memory); ``jitter``: the test knob (MEGATRON_EXT_ZENFLOW_JITTER) of random delays.
+    """
     cfg = dataclasses.replace(cfg, zenflow_accumulate=place)
-    if jitter is not None:
+    if jitter is not None:  # the knob the variable sets, given to this run's config
         monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_JITTER", str(jitter))
+        cfg = dataclasses.replace(cfg, zenflow_jitter=ZenFlowConfig().zenflow_jitter)
     shards = make_shards(dtype)
     ref = Reference(make_shards(dtype), cfg)
     engine = ZenFlowEngine(cfg, shards, device=torch.device("cpu"), model_dtype=dtype,
-                           grad_dtype=dtype, make_cpu_engine=make_cpu_engine)
+                           grad_dtype=dtype, cpu_states=TieredCpuStates(make_cpu_engine)
+                           if make_cpu_engine is not None else None)
     engine.cpu.trace = []
     expected_windows = []
     open_window = []
@@ -326,9 +331,9 @@ def test_cpu_side_in_offload_tiers_reselects_like_the_reference(tmp_path, case, 
         assert engine.retention == engine.retention
         # Most subgroups are in files (a cache of three), all of them the engine's in use:
         # those of the earlier selections are gone.
-        assert len(engine.cpu.engine.subgroups) > 6
+        assert len(engine.states.engine.subgroups) > 6
         dirs = {f.parent.parent.name for f in tmp_path.rglob("sg*")}
-        assert dirs == {f"test.selection{engine.cpu.generation}"}
+        assert dirs == {f"test.selection{engine.states.generation}"}
     finally:
         engine.close()
     assert list(tmp_path.rglob("sg*")) == []
@@ -352,7 +357,7 @@ def test_batched_accumulation_equals_reference(slots, kernels, monkeypatch):
 
 def test_queued_steps_are_added_when_waited_for():
     """A step still queued (its batch not full) is added when its future is waited for."""
-    cpu = cpu_worker.CpuSide({0: 5}, torch.float32, pin=False)
+    cpu = cpu_worker.CpuWorker({0: 5}, torch.float32, pin=False)
     try:
         cpu.batch_steps = 4
         first = cpu.accumulate(0, {0: torch.ones(5)}, None, None)
@@ -377,7 +382,7 @@ def test_host_threads_run_on_the_cpus_given(monkeypatch):
     chosen = {max(mine)}
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", str(max(mine)))
     monkeypatch.delenv("MEGATRON_EXT_ZENFLOW_THREADS", raising=False)
-    cpu = cpu_worker.CpuSide({0: 3}, torch.float32, pin=False)
+    cpu = cpu_worker.CpuWorker({0: 3}, torch.float32, pin=False)
     try:
         assert cpu.cpus == chosen and cpu.threads == 1
         seen = [cpu._acc_pool.submit(os.sched_getaffinity, 0).result(timeout=30),
@@ -397,8 +402,13 @@ def test_host_threads_run_on_the_cpus_given(monkeypatch):
     (range(16), 16, 8, None),
 ])
 def test_default_host_cpus(allowed, machine, ranks, expected):
-    got = cpu_worker.default_host_cpus(set(allowed), machine, ranks)
+    got = cpu_affinity.default_host_cpus(set(allowed), machine, ranks)
     assert got == (set(expected) if expected is not None else None)
+
+
+def knob_cpus() -> str:
+    """The --zenflow-cpus knob as a run's config made now reads it (its variable)."""
+    return ZenFlowConfig().zenflow_cpus
 
 
 def test_host_cpus_default_only_on_request(monkeypatch):
@@ -406,17 +416,17 @@ def test_host_cpus_default_only_on_request(monkeypatch):
     monkeypatch.delenv("MEGATRON_EXT_ZENFLOW_CPUS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     allowed = os.sched_getaffinity(0)
-    assert cpu_worker.host_cpus() is None
-    assert cpu_worker.host_cpus(default=True) == cpu_worker.default_host_cpus(
-        allowed, os.cpu_count(), 1, cpu_worker.cpu_siblings(allowed))
+    assert cpu_affinity.host_cpus(knob_cpus()) is None
+    assert cpu_affinity.host_cpus(knob_cpus(), default=True) == cpu_affinity.default_host_cpus(
+        allowed, os.cpu_count(), 1, cpu_affinity.cpu_siblings(allowed))
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", "all")
-    assert cpu_worker.host_cpus(default=True) is None
+    assert cpu_affinity.host_cpus(knob_cpus(), default=True) is None
 
 
 def test_upload_buffers_are_written_after_the_guard():
     """The owner's upload_guard (its wait for an H2D copy still reading the upload
     buffers) runs before an update, masters_to_upload or new buffers write them."""
-    cpu = cpu_worker.CpuSide({0: 4}, torch.float32, pin=False)
+    cpu = cpu_worker.CpuWorker({0: 4}, torch.float32, pin=False)
     seen = []
     cpu.upload_guard = lambda: seen.append(cpu.upload[0].clone())
     try:
@@ -440,10 +450,11 @@ def test_after_update_runs_on_the_update_thread_once_the_weights_are_written():
     update's future completes."""
     import threading
 
-    cpu = cpu_worker.CpuSide({0: 4}, torch.float32, pin=False)
+    cpu = cpu_worker.CpuWorker({0: 4}, torch.float32, pin=False)
     seen = []
     cpu.after_update = lambda: seen.append((threading.current_thread().name,
-                                            cpu.upload[0].clone(), cpu.master[0].clone()))
+                                            cpu.upload[0].clone(),
+                                            cpu.states.master[0].clone()))
     try:
         cpu.set_masters({0: torch.full((4,), 3.0)})
         cpu.accumulate(0, {0: torch.ones(4)}, None, None, last=True)
@@ -463,11 +474,11 @@ def test_host_cpus_parses_lists(monkeypatch, value, cpus):
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", value)
     if not cpus <= os.sched_getaffinity(0):
         pytest.skip("CPU 0 is not available to this process")
-    assert cpu_worker.host_cpus() == cpus
+    assert cpu_affinity.host_cpus(knob_cpus()) == cpus
     monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CPUS", "3-1")
     with pytest.raises(UsageError, match="give CPU numbers and ranges"):
-        cpu_worker.host_cpus()
-    assert cpu_worker.cpu_ranges({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+        cpu_affinity.host_cpus(knob_cpus())
+    assert cpu_affinity.cpu_ranges({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
 
 
 def test_selection_changes_sides():
@@ -567,7 +578,7 @@ def test_device_sum_equals_host_sum_bit_for_bit(dtype, kernels, monkeypatch):
     elif host_kernels.load() is None:
         pytest.skip("no C compiler: the host kernels cannot be built")
     sizes = {0: 1000, 1: 37}
-    host = cpu_worker.CpuSide(sizes, torch.float32, pin=False)
+    host = cpu_worker.CpuWorker(sizes, torch.float32, pin=False)
     dev = DeviceAccumulator(torch.device("cpu"))
     dev.resize(sizes)
     out = {g: torch.empty(n) for g, n in sizes.items()}

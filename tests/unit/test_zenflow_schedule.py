@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.errors import UsageError
-from megatron_ext.zenflow import accumulation, cpu_worker
-from megatron_ext.zenflow.config import AUTO_MAX_INTERVAL, ZenFlowConfig
+from megatron_ext.zenflow import accumulation, cpu_affinity
+from megatron_ext.zenflow.config import AUTO_MAX_INTERVAL, FREE_BYTES_ENV, ZenFlowConfig
 from megatron_ext.zenflow.schedule import StepPlan, WindowSchedule, adam_floor, auto_interval
 
 GIB = 2 ** 30
@@ -82,13 +82,16 @@ def test_choose_place_refuses_other_modes():
 def test_free_memory_hook(monkeypatch):
     import torch
 
-    monkeypatch.delenv(accumulation.FREE_BYTES_ENV, raising=False)
-    assert accumulation.measured_free_memory(torch.device("cpu")) == (None, None)
-    monkeypatch.setenv(accumulation.FREE_BYTES_ENV, "12345")
-    assert accumulation.measured_free_memory(torch.device("cpu")) == (12345, None)
-    monkeypatch.setenv(accumulation.FREE_BYTES_ENV, "lots")
+    def hook():  # the knob as a run's config made now reads it (its variable)
+        return ZenFlowConfig().zenflow_device_free_bytes
+
+    monkeypatch.delenv(FREE_BYTES_ENV, raising=False)
+    assert accumulation.measured_free_memory(torch.device("cpu"), hook()) == (None, None)
+    monkeypatch.setenv(FREE_BYTES_ENV, "12345")
+    assert accumulation.measured_free_memory(torch.device("cpu"), hook()) == (12345, None)
+    monkeypatch.setenv(FREE_BYTES_ENV, "lots")
     with pytest.raises(UsageError, match="number of bytes"):
-        accumulation.measured_free_memory(torch.device("cpu"))
+        accumulation.measured_free_memory(torch.device("cpu"), hook())
 
 
 # 16 CPUs as 8 cores of two hardware threads, numbered i and i + 8 (the common layout),
@@ -107,10 +110,10 @@ PAIRED = {c: {c - c % 2, c - c % 2 + 1} for c in range(16)}
 def test_default_host_cpus_leave_the_loops_cores_free(allowed, machine, ranks, siblings,
                                                       expected):
     """No host thread on a core of the CPUs left to the loops (hyperthread siblings)."""
-    got = cpu_worker.default_host_cpus(set(allowed), machine, ranks, siblings)
+    got = cpu_affinity.default_host_cpus(set(allowed), machine, ranks, siblings)
     assert got == expected
     if got is not None:
-        loop = sorted(allowed)[:cpu_worker.LOOP_CPUS * ranks]
+        loop = sorted(allowed)[:cpu_affinity.LOOP_CPUS * ranks]
         cores = set().union(*(siblings.get(c, {c}) for c in loop))
         assert not got & cores
 
@@ -119,7 +122,7 @@ def test_cpu_siblings_reads_this_machine():
     import os
 
     allowed = os.sched_getaffinity(0)
-    siblings = cpu_worker.cpu_siblings(allowed)
+    siblings = cpu_affinity.cpu_siblings(allowed)
     for cpu, core in siblings.items():
         assert cpu in core
-    assert cpu_worker._parse_cpus("0-2,5") == {0, 1, 2, 5}
+    assert cpu_affinity.parse_cpus("0-2,5") == {0, 1, 2, 5}
