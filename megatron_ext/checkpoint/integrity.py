@@ -15,7 +15,8 @@ loads as before, with a log line saying it was not verified.
 Hashing is shared out among the ranks (each hashes every world-size-th file, the results
 are gathered over the host group), so a large checkpoint costs one read of it in total.
 
-The pure logic (:func:`compare`, :func:`check_offload_manifest`) is apart from the I/O.
+The pure logic (:func:`compare`) is apart from the I/O. The offload engine's manifests are
+checked by their own package (:func:`megatron_ext.offload.checkpoint.manifest_problems`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Iterable, List, Optional, Tuple
 import xxhash
 
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.checkpoint import manifest_problems
 
 log = logging.getLogger(__name__)
 
@@ -249,57 +251,6 @@ def compare(expected: dict, actual: dict) -> List[Tuple[str, str]]:
     return problems
 
 
-def check_offload_manifest(data: bytes) -> Optional[str]:
-    """What is wrong with an offload engine manifest's bytes (None when well-formed). Pure."""
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return "not valid JSON"
-    if not isinstance(manifest, dict):
-        return "not a JSON object"
-    for key, kind in (("step", int), ("rank", int), ("subgroups", list)):
-        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
-            return f"'{key}' missing or not a{'n integer' if kind is int else ' list'}"
-    for i, entry in enumerate(manifest["subgroups"]):
-        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) \
-                or entry.get("subgroup") != i or not isinstance(entry.get("elements"), int):
-            return f"subgroup entry {i} is malformed"
-        if os.path.basename(entry["file"]) != entry["file"]:
-            return f"subgroup entry {i} names a file outside its directory"
-    return None
-
-
-def _offload_problems(directory: str) -> List[Tuple[str, str]]:
-    """Problems of the offload engine's manifests under the checkpoint (its own format)."""
-    problems = []
-    for name in list_files(directory):
-        parts = name.split(os.sep)
-        if len(parts) < 2 or parts[-1] != "manifest.json" or "offload" not in parts[:-1]:
-            continue
-        path = os.path.join(directory, name)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as err:
-            problems.append((name, err.strerror or str(err)))
-            continue
-        why = check_offload_manifest(data)
-        if why is None:
-            manifest = json.loads(data)
-            listed = len(manifest["subgroups"])
-            for entry in manifest["subgroups"]:
-                if not os.path.isfile(os.path.join(os.path.dirname(path), entry["file"])):
-                    why = f"lists {entry['file']}, which is missing"
-                    break
-            else:
-                present = [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".state")]
-                if len(present) > listed:
-                    why = f"lists {listed} subgroups, the directory holds {len(present)}"
-        if why:
-            problems.append((name, f"offload manifest: {why}"))
-    return problems
-
-
 def find_problems(directory: str, group=None) -> Tuple[Optional[bool], List[Tuple[str, str]]]:
     """(has a manifest, [(file, problem)]) of the checkpoint at ``directory``. Collective.
 
@@ -311,11 +262,11 @@ def find_problems(directory: str, group=None) -> Tuple[Optional[bool], List[Tupl
     except ValueError as err:
         return None, [(MANIFEST, f"integrity manifest {err}")]
     if expected is None:
-        return False, _offload_problems(directory)
+        return False, manifest_problems(directory)
     actual = _digests(directory, sorted(expected), rank, world, group)
     problems = compare(expected, actual)
     if not problems:
-        problems = _offload_problems(directory)
+        problems = manifest_problems(directory)
     return True, problems
 
 

@@ -1,9 +1,13 @@
 """The tiered offload engine (MLP-Offload techniques) behind ``--offload-optimizer``.
 
-Modules, one per concern: ``config`` (the engine's typed config), ``tiers`` (tier
-specs, bandwidth probe, placement, rebalancing), ``io`` (state files: threaded aligned
-I/O, O_DIRECT, checksums, atomic writes), ``locks`` (node-local concurrency control),
-``subgroups`` (partition of the rank's optimizer shard), ``cache`` (host cache,
-alternating order), ``engine`` (the update pipeline), ``optimizer`` (the megatron-core
+Modules, one per concern: ``config`` (the engine's typed config and knobs), ``tiers``
+(tier specs, bandwidth probe, placement, rebalancing), ``io`` (state files: threaded
+aligned I/O, O_DIRECT, checksums, atomic writes), ``locks`` (node-local concurrency
+control), ``jobdir`` (the job directories), ``subgroups`` (partition of the rank's
+optimizer shard), ``cache`` (host cache, alternating order), ``plan`` (capacities,
+placement, the device tier: where each subgroup lives and who updates it), ``store`` (the
+subgroups' bytes: files, buffers, fetch and flush), ``updaters`` (CPU, device and streamed
+Adam, the gradient sources), ``checkpoint`` (save, load and the manifest's schema),
+``engine`` (the update pipeline that runs them), ``optimizer`` (the megatron-core
 DistributedOptimizer subclass that the optimizer seam builds).
 """

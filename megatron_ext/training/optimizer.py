@@ -68,9 +68,11 @@ def build_optimizer(cfg, model_chunks, runtime):
             return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     if cfg.offload.offload_optimizer:
         from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
+        from megatron_ext.runtime.faults import Faults
 
         with offloaded_distributed_optimizer(cfg.offload, runtime.rank,
-                                             cfg.optimizer.state_layout()):
+                                             cfg.optimizer.state_layout(),
+                                             Faults(cfg.faults.offload_fault)):
             return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
     return get_megatron_optimizer(megatron_optimizer_config(cfg), model_chunks)
 
