@@ -448,19 +448,8 @@ class OffloadEngine:
         record["offload/stream_issue_s"] = s.time["stream_issue"] / steps
         record["offload/streamed_subgroups"] = s.streamed_subgroups / steps
         record["offload/state_bytes_per_element"] = self.layout.bytes_per_element
-        total_bytes = 0
-        for i in range(len(self.tiers)):
-            moved = s.read_bytes[i] + s.write_bytes[i]
-            total_bytes += moved
-            record[f"offload/path{i}_bytes"] = moved / steps
-            record[f"offload/path{i}_read_bytes"] = s.read_bytes[i] / steps
-            record[f"offload/path{i}_write_bytes"] = s.write_bytes[i] / steps
-            record[f"offload/path{i}_read_gbps"] = (s.read_bytes[i] / s.read_s[i] / 1e9
-                                                    if s.read_s[i] else 0.0)
-            record[f"offload/path{i}_write_gbps"] = (s.write_bytes[i] / s.write_s[i] / 1e9
-                                                     if s.write_s[i] else 0.0)
-            record[f"offload/path{i}_subgroups"] = self.tier_plan.path_subgroups(i)
-        record["offload/io_bytes"] = total_bytes / steps
+        record.update(s.path_metrics(steps, [self.tier_plan.path_subgroups(i)
+                                             for i in range(len(self.tiers))]))
         s.reset()
         return record
 

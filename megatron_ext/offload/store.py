@@ -71,6 +71,24 @@ class StepStats:
         with self.lock:
             self.time[key] += seconds
 
+    def path_metrics(self, steps: int, subgroups: Sequence[int]) -> Dict[str, float]:
+        """Per-step bytes and GB/s of each path, ``subgroups`` placed on each, total bytes."""
+        record: Dict[str, float] = {}
+        total_bytes = 0
+        for i in range(self.n_paths):
+            moved = self.read_bytes[i] + self.write_bytes[i]
+            total_bytes += moved
+            record[f"offload/path{i}_bytes"] = moved / steps
+            record[f"offload/path{i}_read_bytes"] = self.read_bytes[i] / steps
+            record[f"offload/path{i}_write_bytes"] = self.write_bytes[i] / steps
+            record[f"offload/path{i}_read_gbps"] = (self.read_bytes[i] / self.read_s[i] / 1e9
+                                                    if self.read_s[i] else 0.0)
+            record[f"offload/path{i}_write_gbps"] = (
+                self.write_bytes[i] / self.write_s[i] / 1e9 if self.write_s[i] else 0.0)
+            record[f"offload/path{i}_subgroups"] = subgroups[i]
+        record["offload/io_bytes"] = total_bytes / steps
+        return record
+
 
 class SubgroupStore:
     """Where each subgroup's state is, and the reads, writes and moves that keep it there.
