@@ -4,11 +4,49 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.jobdir import check_run_id
-from megatron_ext.runtime.fields import option
+from megatron_ext.runtime.fields import knob, option
+
+TRACE_ENV = "MEGATRON_EXT_OFFLOAD_TRACE"
+# Test hooks of the device tier's ``auto`` sizing (CPU runs have no device memory to
+# measure): the device's usable memory in GB, and the peak of a training iteration besides
+# the offload engine's device states, as "STEP:GB,STEP:GB" (from STEP on).
+MEMORY_LIMIT_ENV = "MEGATRON_EXT_DEVICE_MEMORY_LIMIT_GB"
+MEMORY_PEAK_ENV = "MEGATRON_EXT_DEVICE_PEAK_GB"
+# Test hook: a fixed share of the host subgroups' elements to stream through the device
+# (CPU runs stream nothing by themselves: their "device" is the CPU).
+STREAM_SHARE_ENV = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
+
+
+def parse_gb(text: str) -> float:
+    """A finite number >= 0 (GB, or a share before it is capped)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("give a number >= 0")
+    return value
+
+
+def parse_peaks(text: str) -> Tuple[Tuple[int, float], ...]:
+    """``STEP:GB,STEP:GB``: (from step, GB) pairs, in the order given."""
+    peaks = []
+    for item in text.split(","):
+        if item:
+            step, _, value = item.partition(":")
+            if not step.strip().isdigit():
+                raise ValueError("give STEP:GB pairs separated by commas, e.g. 1:0.5,6:0.8")
+            peaks.append((int(step), parse_gb(value)))
+    return tuple(peaks)
+
+
+def parse_share(text: str) -> float:
+    """A share of elements: a number >= 0, capped at 1."""
+    return min(1.0, parse_gb(text))
 
 
 @dataclasses.dataclass
@@ -90,6 +128,22 @@ class OffloadConfig:
     """Name of this job's directory under each path: one directory name of letters, digits,
     '.', '_' and '-'. Default: the Slurm job id, else torchrun's run id, else a fresh id.
     One job at a time may use a run id (a second one refuses to start)."""
+
+    offload_trace: Optional[str] = knob(None, env=TRACE_ENV, parse=str, metavar="FILE")
+    """Append one line per state-file read and write (pid, rank, op, path, start, end,
+    bytes) to FILE: the tests' view of the I/O timeline."""
+    offload_device_memory_limit_gb: Optional[float] = knob(None, env=MEMORY_LIMIT_ENV,
+                                                           parse=parse_gb, metavar="GB")
+    """Test hook of --offload-device-cache-gb auto: the device's usable memory in GB, in
+    place of the GPU's (a CPU run has none to measure)."""
+    offload_device_peak_gb: Tuple[Tuple[int, float], ...] = knob(
+        (), env=MEMORY_PEAK_ENV, parse=parse_peaks, metavar="STEP:GB,...")
+    """Test hook of --offload-device-cache-gb auto, with the memory limit hook: the peak of
+    an iteration besides the engine's device states, in GB, from each STEP on."""
+    offload_stream_share: Optional[float] = knob(None, env=STREAM_SHARE_ENV,
+                                                 parse=parse_share, metavar="SHARE")
+    """Test hook: a fixed share (0-1) of the host subgroups' elements to stream through
+    the device each step, in place of the measured split (a CPU run streams none)."""
 
     def __post_init__(self):
         if self.offload_subgroup_size <= 0:

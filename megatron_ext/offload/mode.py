@@ -34,9 +34,11 @@ class OffloadMode(Mode):
         """megatron-core's factory with the offloaded DistributedOptimizer bound into it."""
         from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
         from megatron_ext.optim.factory import build_megatron_optimizer
+        from megatron_ext.runtime.faults import Faults
 
         with offloaded_distributed_optimizer(cfg.offload, runtime.rank,
-                                             cfg.optimizer.state_layout()) as bound:
+                                             cfg.optimizer.state_layout(),
+                                             Faults(cfg.faults.offload_fault)) as bound:
             return build_megatron_optimizer(cfg, model_chunks, bound)
 
     def log_summary(self, record: dict) -> Optional[str]:
@@ -56,9 +58,9 @@ class OffloadMode(Mode):
 
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """The engine's manifests under the checkpoint and the state files they name."""
-        from megatron_ext.offload.manifest import offload_problems
+        from megatron_ext.offload.checkpoint import manifest_problems
 
-        return offload_problems(directory)
+        return manifest_problems(directory)
 
 
 register(OffloadMode())

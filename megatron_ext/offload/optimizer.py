@@ -25,6 +25,7 @@ from megatron_ext.optim.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,
 )
+from megatron_ext.runtime.faults import Faults
 
 
 class OffloadedDistributedOptimizer(ShardedStateOptimizer):
@@ -33,12 +34,13 @@ class OffloadedDistributedOptimizer(ShardedStateOptimizer):
     state_prefix = "offload"
 
     def __init__(self, *args, offload_config: OffloadConfig, rank: int, run_id: str,
-                 tiers: List[TierSpec], layout: Optional[StateLayout] = None, **kwargs):
+                 tiers: List[TierSpec], layout: Optional[StateLayout] = None,
+                 faults: Faults = Faults(), **kwargs):
         super().__init__(*args, **kwargs)
         params = [self._shard_param(shard) for shard in self.shards]
         self.engine = OffloadEngine(offload_config, params, rank=rank, device=self.device,
                                     tiers=tiers, run_id=run_id, model_dtype=self.model_dtype,
-                                    grad_dtype=self.grad_dtype, layout=layout)
+                                    grad_dtype=self.grad_dtype, layout=layout, faults=faults)
 
     def _shard_param(self, shard) -> ShardParam:
         model_param = shard.model_param
@@ -144,12 +146,15 @@ def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:
 
 
 def offloaded_distributed_optimizer(cfg: OffloadConfig, rank: int,
-                                    layout: Optional[StateLayout] = None):
+                                    layout: Optional[StateLayout] = None,
+                                    faults: Faults = Faults()):
     """Within the block, megatron-core's optimizer factory builds the offloaded optimizer.
 
     ``layout``: the dtypes the states are stored in (Megatron-LM's precision-aware
-    optimizer flags); fp32 by default.
+    optimizer flags); fp32 by default. ``faults``: the test suite's offload faults
+    (``RunConfig.faults.offload_fault``); none by default.
     """
     run_id, tiers = offload_setup(cfg, rank)
     return bound_distributed_optimizer(OffloadedDistributedOptimizer, offload_config=cfg,
-                                       rank=rank, run_id=run_id, tiers=tiers, layout=layout)
+                                       rank=rank, run_id=run_id, tiers=tiers, layout=layout,
+                                       faults=faults)

@@ -12,7 +12,7 @@ from megatron_ext.checkpoint import checkpoint_args, integrity
 from megatron_ext.config.model import ModelConfig
 from megatron_ext.data.datasets import check_split_sizes
 from megatron_ext.errors import UsageError
-from megatron_ext.offload.manifest import check_offload_manifest
+from megatron_ext.offload.checkpoint import check_manifest
 
 EXPECTED = {"a": {"size": 3, "xxh3": "aa"}, "b": {"size": 5, "xxh3": "bb"}}
 
@@ -50,7 +50,7 @@ GOOD = {"step": 3, "rank": 0, "subgroups": [{"subgroup": 0, "elements": 4, "file
      "outside its directory"),
 ])
 def test_check_offload_manifest(data, problem):
-    found = check_offload_manifest(data)
+    found = check_manifest(data)
     assert (found is None) if problem is None else (problem in found), found
 
 

@@ -192,10 +192,10 @@ def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
 
 def _limit_free_space(monkeypatch, subgroups_that_fit: int) -> None:
     """The path reports room for the spares plus ``subgroups_that_fit`` full subgroups."""
-    from megatron_ext.offload import engine as engine_module
+    from megatron_ext.offload import plan as plan_module
 
-    room = (engine_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * 12
-    monkeypatch.setattr(engine_module, "check_free_space", lambda path, need: room)
+    room = (plan_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * 12
+    monkeypatch.setattr(plan_module, "check_free_space", lambda path, need: room)
 
 
 @pytest.mark.parametrize("alternate", [True, False])
@@ -274,7 +274,7 @@ def _check_states(engine, masters, opt):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_device_tier_and_streamed_update_equal_torch_adamw(tmp_path, monkeypatch, layout,
                                                            stream, dtype):
-    from megatron_ext.offload.engine import STREAM_SHARE_ENV
+    from megatron_ext.offload.config import STREAM_SHARE_ENV
     from megatron_ext.offload.tier_model import TierKind
 
     if stream:
@@ -330,7 +330,7 @@ def _lowp_reference(shard, layout):
 @pytest.mark.parametrize("names", [("fp32", "bf16", "bf16"), ("fp16", "fp32", "fp32")],
                          ids=["bf16-moments", "fp16-master"])
 def test_precision_aware_states_are_stored_in_their_dtypes(tmp_path, monkeypatch, names):
-    from megatron_ext.offload.engine import STREAM_SHARE_ENV
+    from megatron_ext.offload.config import STREAM_SHARE_ENV
     from megatron_ext.offload.io import read_header
     from megatron_ext.offload.states import StateLayout
 
@@ -389,7 +389,7 @@ def test_precision_aware_states_are_stored_in_their_dtypes(tmp_path, monkeypatch
 
 def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, monkeypatch,
                                                                    caplog):
-    from megatron_ext.offload.engine import MEMORY_LIMIT_ENV, MEMORY_PEAK_ENV
+    from megatron_ext.offload.config import MEMORY_LIMIT_ENV, MEMORY_PEAK_ENV
 
     # 60 kB of device memory; a peak besides the states of 25 kB at step 1 (room for 4
     # subgroups of 8.4 kB), 45 kB from step 3 on (room for 1).
@@ -419,7 +419,7 @@ def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, mo
 
 
 def test_auto_device_tier_on_the_cpu_needs_a_size(tmp_path, monkeypatch):
-    from megatron_ext.offload.engine import MEMORY_LIMIT_ENV
+    from megatron_ext.offload.config import MEMORY_LIMIT_ENV
 
     monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
     with pytest.raises(UsageError, match="give a size in GB"):

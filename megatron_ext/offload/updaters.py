@@ -1,0 +1,527 @@
+"""Who runs a subgroup's Adam step: the CPU, the device, or the device streaming host states.
+
+Each updater has one ``update(index, buffer, args)``: subgroup ``index``'s state buffer
+(a host buffer of the cache, or its device state) takes one AdamW step, and the new weights
+go into the model's param buffer in the model's dtype.
+
+* :class:`CpuUpdater`: gradients to the host, CPU Adam on the host buffer, weights back
+  through a :class:`WriteBack`. Its gradients come from a source chosen once, at
+  construction (:func:`gradient_source`): delayed in-place conversion (the training dtype
+  crosses to the host and becomes fp32 inside the subgroup's update) or fp32 first
+  (``--no-offload-delayed-grad-conversion``: the whole shard's fp32 gradients before the
+  update, through the tier files, as ZeRO-Infinity does).
+* :class:`DeviceUpdater`: the device tier's states, updated where they are by the fused
+  device Adam; the gradients never leave the device.
+* :func:`stream_updater`: a host subgroup updated by the device: states up, fused Adam,
+  states down (on CUDA, copies on their own streams, nothing waits for them).
+
+One Adam (:class:`SubgroupAdam`) for every tier and updater, so that on a CPU run all of
+them do the same arithmetic: bit for bit equal to megatron-core's optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_ext.offload.states import StateLayout
+from megatron_ext.offload.store import StepStats, SubgroupStore
+from megatron_ext.offload.subgroups import Subgroup
+from megatron_ext.optim.adamw import adam_update, unscale_and_clip
+
+if TYPE_CHECKING:
+    from megatron_ext.offload.engine import ShardParam
+
+
+@dataclasses.dataclass
+class StepArgs:
+    """One optimizer step's inputs, the same for every subgroup."""
+
+    step: int
+    """The Adam step the states take (bias correction)."""
+    hparams: Sequence[dict]
+    """The optimizer's param groups (lr, betas, eps, weight_decay), by index."""
+    inv_scale: Optional[torch.Tensor]
+    """fp16 loss-scale inverse to unscale the gradients with, or None."""
+    clip_coeff: Optional[float]
+    """The gradient-clipping factor (< 1) or None."""
+    device_inv_scale: Optional[torch.Tensor] = None
+    """``inv_scale`` on the model's device (for the device's updates)."""
+
+
+def scatter(params: Sequence["ShardParam"], sg: Subgroup, master: torch.Tensor) -> None:
+    """Subgroup ``sg``'s new weights into the model's param buffers (synchronous copies)."""
+    for piece in sg.pieces:
+        params[piece.param].out[piece.start:piece.start + piece.length].copy_(
+            master[piece.offset:piece.offset + piece.length])
+
+
+def gather_grads(params: Sequence["ShardParam"], sg: Subgroup, grads: torch.Tensor) -> None:
+    """Subgroup ``sg``'s gradients from the model's grad buffers into ``grads``."""
+    for piece in sg.pieces:
+        src = params[piece.param].grad().reshape(-1)
+        grads[piece.offset:piece.offset + piece.length].copy_(
+            src[piece.start:piece.start + piece.length])
+
+
+class SubgroupAdam:
+    """A subgroup's AdamW step on its state buffer, host or device."""
+
+    def __init__(self, subgroups: Sequence[Subgroup], layout: StateLayout, fused: bool):
+        self.subgroups, self.layout = subgroups, layout
+        self.fused = fused
+        """Torch's fused kernel for host states (set on GPU machines, see adam_update)."""
+
+    def __call__(self, index: int, buffer: torch.Tensor, grads: torch.Tensor, step: int,
+                 hparams: Sequence[dict]) -> torch.Tensor:
+        """Subgroup ``index``'s Adam step on its state buffer (host or device); its master.
+
+        One function for every tier and updater, so that on a CPU run all of them do the
+        same arithmetic (torch's reference AdamW, megatron-core's): bit for bit equal.
+        States stored in fp16/bf16 are widened to fp32 for the math and rounded back.
+        """
+        sg = self.subgroups[index]
+        states = self.layout.views(buffer, sg.numel)
+        on_device = buffer.is_cuda
+        for group, offset, length in sg.runs:
+            span = slice(offset, offset + length)
+            parts = [t[span] if t.dtype == torch.float32 else t[span].float() for t in states]
+            if on_device:
+                _device_adam(parts[0], grads[span], parts[1], parts[2], step, hparams[group])
+            else:
+                adam_update(parts[0], grads[span], parts[1], parts[2], step,
+                            hparams[group], fused=self.fused)
+            for state, part in zip(states, parts):
+                if state.dtype != torch.float32:
+                    state[span].copy_(part)
+        return states[0]
+
+
+def _device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: int, hp: dict) -> None:
+    """Torch's fused CUDA AdamW in place, queued on the current stream without a host sync.
+
+    Like :func:`megatron_ext.optim.adamw.adam_update` for CUDA tensors, but the step
+    tensor is made on the device by a fill kernel: a host-to-device copy of it would wait
+    for the stream and serialize the GPU's work with the CPU Adam running meanwhile.
+    """
+    if master.numel() == 0:
+        return
+    from torch.optim.adam import adam
+
+    beta1, beta2 = hp["betas"]
+    step_tensor = torch.full((), float(step - 1), dtype=torch.float32, device=master.device)
+    adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step_tensor], foreach=False,
+         fused=True, capturable=False, differentiable=False, has_complex=False,
+         amsgrad=False, beta1=beta1, beta2=beta2, lr=hp["lr"],
+         weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
+         decoupled_weight_decay=True)
+
+
+# ---------------------------------------------------------------- write-back
+
+
+class HostWriteBack:
+    """New weights into the model's param buffer, in the model's dtype (host model)."""
+
+    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup]):
+        self.params, self.subgroups = params, subgroups
+
+    def __call__(self, index: int, master: torch.Tensor, slot: int) -> None:
+        """Copies subgroup ``index``'s ``master`` into the model (``slot``: unused here)."""
+        scatter(self.params, self.subgroups[index], master)
+
+    def wait_readers(self) -> None:
+        """Nothing in flight reads a host buffer."""
+
+    def finish(self) -> None:
+        """Nothing in flight at the end of a step."""
+
+    def sync(self) -> None:
+        """Nothing in flight."""
+
+
+class StagedWriteBack(HostWriteBack):
+    """New weights to a CUDA model: on a copy stream, through two device stages.
+
+    New fp32 masters cross to the device straight from their pinned state buffer and are
+    cast there: a CPU cast pass over the shard costs more than the extra PCIe bytes
+    (measured on the H200 machine, 2026-11-30).
+    """
+
+    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
+                 layout: StateLayout, max_numel: int, device: torch.device):
+        super().__init__(params, subgroups)
+        self.device = device
+        self._h2d = torch.cuda.Stream(device)
+        self._out_stage = [torch.empty(max_numel, dtype=layout.master, device=device)
+                           for _ in range(2)]
+        self._out_events = [None, None]
+
+    def __call__(self, index: int, master: torch.Tensor, slot: int) -> None:
+        """Starts the copy of subgroup ``index``'s ``master`` through stage ``slot``."""
+        sg = self.subgroups[index]
+        if self._out_events[slot] is not None:
+            self._out_events[slot].synchronize()
+        stage = self._out_stage[slot][:sg.numel]
+        with torch.cuda.stream(self._h2d):
+            stage.copy_(master, non_blocking=True)
+            for piece in sg.pieces:
+                self.params[piece.param].out[piece.start:piece.start + piece.length].copy_(
+                    stage[piece.offset:piece.offset + piece.length], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._h2d)
+        self._out_events[slot] = event
+
+    def wait_readers(self) -> None:
+        """Waits until no master is still crossing to the device from a host buffer."""
+        for event in self._out_events:
+            if event is not None:
+                event.synchronize()
+
+    def finish(self) -> None:
+        """The training stream waits for the step's weights."""
+        torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+
+    def sync(self) -> None:
+        """The training stream waits for the weights, and stage 0's copy has ended."""
+        torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        self._out_events[0].synchronize()
+
+
+# ---------------------------------------------------------------- gradient sources
+
+
+class _GradSource:
+    """The CPU updater's fp32 gradients of a subgroup, unscaled and clipped."""
+
+    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
+                 max_numel: int):
+        self.params, self.subgroups = params, subgroups
+        self._scratch = torch.empty(max_numel, dtype=torch.float32)
+
+    def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
+        """A step starts; ``order``: the subgroups the CPU updates, in order."""
+
+    def issue(self, index: int, slot: int) -> None:
+        """Subgroup ``index`` is next after the one being updated (a chance to copy ahead)."""
+
+    def end(self) -> None:
+        """The step ended."""
+
+
+class HostGrads(_GradSource):
+    """Delayed conversion, host model: the training-dtype gradients converted in place."""
+
+    def fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
+        """Subgroup ``index``'s fp32 gradients, unscaled and clipped like megatron-core's."""
+        grads = self._scratch[:self.subgroups[index].numel]
+        gather_grads(self.params, self.subgroups[index], grads)
+        unscale_and_clip(grads, inv_scale, clip_coeff)
+        return grads
+
+
+class PinnedGrads(_GradSource):
+    """Delayed conversion, CUDA model: training-dtype gradients D2H into pinned stages.
+
+    The next subgroup's copy runs on its own stream while this one's Adam runs.
+    """
+
+    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
+                 max_numel: int, device: torch.device, grad_dtype: torch.dtype):
+        super().__init__(params, subgroups, max_numel)
+        self.device = device
+        self._d2h = torch.cuda.Stream(device)
+        self._grad_stage = [torch.empty(max_numel, dtype=grad_dtype, pin_memory=True)
+                            for _ in range(2)]
+        self._grad_events = [None, None]
+
+    def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
+        """The copies wait for the backward; the first subgroup's starts."""
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        if order:
+            self.issue(order[0], 0)
+
+    def issue(self, index: int, slot: int) -> None:
+        """Starts the D2H copy of a subgroup's gradients (training dtype) into pinned memory."""
+        stage = self._grad_stage[slot]
+        with torch.cuda.stream(self._d2h):
+            for piece in self.subgroups[index].pieces:
+                src = self.params[piece.param].grad().reshape(-1)
+                stage[piece.offset:piece.offset + piece.length].copy_(
+                    src[piece.start:piece.start + piece.length], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._d2h)
+        self._grad_events[slot] = event
+
+    def fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
+        """Subgroup ``index``'s fp32 gradients, unscaled and clipped like megatron-core's."""
+        grads = self._scratch[:self.subgroups[index].numel]
+        self._grad_events[slot].synchronize()
+        grads.copy_(self._grad_stage[slot][:grads.numel()])
+        unscale_and_clip(grads, inv_scale, clip_coeff)
+        return grads
+
+
+class Fp32FirstGrads(_GradSource):
+    """Without delayed conversion: the shard's fp32 gradients first, as ZeRO-Infinity does.
+
+    Each subgroup's gradients become fp32 on the model's device, cross to the host in fp32
+    and, for subgroups outside the cache, go to the tier and come back in the update.
+    """
+
+    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
+                 max_numel: int, store: SubgroupStore):
+        super().__init__(params, subgroups, max_numel)
+        self.store = store
+        # Each subgroup's fp32 gradients of this step, in host memory (a tensor) or in a
+        # file on the path of that index (an int).
+        self._staged: Dict[int, object] = {}
+
+    def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
+        """Stages the fp32 gradients of every subgroup in ``order``."""
+        start = time.perf_counter()
+        for index in order:
+            sg = self.subgroups[index]
+            host = torch.empty(sg.numel, dtype=torch.float32)
+            for piece in sg.pieces:
+                src = self.params[piece.param].grad().reshape(-1)
+                part = src[piece.start:piece.start + piece.length].float()
+                unscale_and_clip(part, inv_scale, clip_coeff)
+                host[piece.offset:piece.offset + piece.length].copy_(part)
+            if self.store.tiers and index not in self.store.cache:
+                self._staged[index] = self.store.write(index, host, kind="grad")
+            else:
+                self._staged[index] = host
+        self.store.stats.add("convert", time.perf_counter() - start)
+
+    def fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
+        """Subgroup ``index``'s staged fp32 gradients (already unscaled and clipped)."""
+        grads = self._scratch[:self.subgroups[index].numel]
+        staged = self._staged[index]
+        if isinstance(staged, int):
+            self.store.read(index, grads, kind="grad", path=staged)
+        else:
+            grads.copy_(staged)
+        return grads
+
+    def end(self) -> None:
+        """Forgets the step's gradients."""
+        self._staged.clear()
+
+
+def gradient_source(delayed: bool, params: Sequence["ShardParam"],
+                    subgroups: Sequence[Subgroup], max_numel: int, *, device: torch.device,
+                    grad_dtype: torch.dtype, store: SubgroupStore) -> _GradSource:
+    """The CPU updater's gradients: delayed conversion (host or CUDA model) or fp32 first."""
+    if not delayed:
+        return Fp32FirstGrads(params, subgroups, max_numel, store)
+    if device.type == "cuda":
+        return PinnedGrads(params, subgroups, max_numel, device, grad_dtype)
+    return HostGrads(params, subgroups, max_numel)
+
+
+# ---------------------------------------------------------------- updaters
+
+
+class CpuUpdater:
+    """CPU Adam on host buffers; the CPU-updated subgroups alternate two staging slots."""
+
+    def __init__(self, subgroups: Sequence[Subgroup], grads: _GradSource, adam: SubgroupAdam,
+                 write_back: HostWriteBack, stats: StepStats):
+        self.subgroups, self.grads, self.adam = subgroups, grads, adam
+        self.write_back, self.stats = write_back, stats
+        self._slot: Dict[int, int] = {}
+        self._next: Dict[int, int] = {}
+        self._elements, self._seconds = 0, 0.0
+
+    def begin(self, order: Sequence[int], args: StepArgs) -> None:
+        """A step starts; ``order``: the subgroups this updater updates, in order."""
+        self._slot = {index: k % 2 for k, index in enumerate(order)}
+        self._next = dict(zip(order, order[1:]))
+        self.grads.begin(order, args.inv_scale, args.clip_coeff)
+
+    def update(self, index: int, buffer: torch.Tensor, args: StepArgs) -> None:
+        """Subgroup ``index``'s step on its host buffer; the weights go back to the model."""
+        if index in self._next:
+            self.grads.issue(self._next[index], self._slot[self._next[index]])
+        slot = self._slot[index]
+        t0 = time.perf_counter()
+        grads = self.grads.fp32(index, slot, args.inv_scale, args.clip_coeff)
+        t1 = time.perf_counter()
+        master = self.adam(index, buffer, grads, args.step, args.hparams)
+        t2 = time.perf_counter()
+        self.write_back(index, master, slot)
+        t3 = time.perf_counter()
+        with self.stats.lock:
+            self.stats.time["convert"] += t1 - t0
+            self.stats.time["update"] += t2 - t1
+            self.stats.time["writeback"] += t3 - t2
+        self._elements += self.subgroups[index].numel
+        self._seconds += t2 - t0
+
+    def end(self) -> None:
+        """The training stream waits for the weights; the step's gradients are let go."""
+        self.write_back.finish()
+        self.grads.end()
+
+    def take_counts(self) -> Tuple[int, float]:
+        """(elements, seconds) of CPU Adam since the last call."""
+        counts = (self._elements, self._seconds)
+        self._elements, self._seconds = 0, 0.0
+        return counts
+
+
+class DeviceUpdater:
+    """The fused device Adam on a state buffer on the device (current stream).
+
+    The gradients never leave the device; the new weights go straight into the model's
+    buffer.
+    """
+
+    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
+                 adam: SubgroupAdam, stats: StepStats, *, device: torch.device,
+                 max_numel: int, allocate: bool):
+        self.params, self.subgroups, self.adam, self.stats = params, subgroups, adam, stats
+        self.device, self.max_numel = device, max_numel
+        self.is_cuda = device.type == "cuda"
+        # Allocated now (``allocate``) so that ``auto`` sizing measures it in the first peak.
+        self._grad: Optional[torch.Tensor] = (
+            torch.empty(max_numel, dtype=torch.float32, device=device) if allocate else None)
+
+    def scale(self, inv_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``inv_scale`` on the device (a non-blocking copy on CUDA)."""
+        if self.is_cuda and torch.is_tensor(inv_scale):
+            return inv_scale.to(self.device, non_blocking=True)
+        return inv_scale
+
+    def _grads(self, index: int, inv_scale, clip_coeff) -> torch.Tensor:
+        """The subgroup's fp32 gradients on the model's device, unscaled and clipped."""
+        sg = self.subgroups[index]
+        if self._grad is None:
+            self._grad = torch.empty(self.max_numel, dtype=torch.float32, device=self.device)
+        grads = self._grad[:sg.numel]
+        gather_grads(self.params, sg, grads)
+        return unscale_and_clip(grads, inv_scale, clip_coeff)
+
+    def apply(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
+        """The step of the state buffer ``state`` on the device; the weights to the model."""
+        grads = self._grads(index, args.device_inv_scale, args.clip_coeff)
+        master = self.adam(index, state, grads, args.step, args.hparams)
+        scatter(self.params, self.subgroups[index], master)
+
+    def update(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
+        """A device-tier subgroup's step (timed for the metrics)."""
+        start = time.perf_counter()
+        self.apply(index, state, args)
+        self.stats.add("device_update", time.perf_counter() - start)
+        self.stats.device_subgroups += 1
+
+
+class SyncStreamUpdater:
+    """A host subgroup updated by the device, the steps in order: states up, Adam, down.
+
+    What a CPU run does (its "device" is the CPU, so CI runs the same updates).
+    """
+
+    def __init__(self, device_updater: DeviceUpdater, store: SubgroupStore):
+        self.on_device, self.store = device_updater, store
+        self._slot: Optional[torch.Tensor] = None
+        self._elements, self._seconds = 0, 0.0
+
+    def update(self, index: int, buffer: torch.Tensor, args: StepArgs) -> None:
+        """Subgroup ``index``'s step through a device slot."""
+        start = time.perf_counter()
+        self._stream(index, buffer[:self.store.sizes[index]], args)
+        self.store.stats.add("stream_issue", time.perf_counter() - start)
+        self.store.stats.streamed_subgroups += 1
+
+    def _stream(self, index: int, host: torch.Tensor, args: StepArgs) -> None:
+        start = time.perf_counter()
+        if self._slot is None:
+            self._slot = torch.empty(self.store.buffer_bytes, dtype=torch.uint8,
+                                     device=self.store.device)
+        slot = self._slot[:host.numel()]
+        slot.copy_(host)
+        self.on_device.apply(index, slot, args)
+        host.copy_(slot)
+        self._elements += self.store.subgroups[index].numel
+        self._seconds += time.perf_counter() - start
+
+    def take_counts(self) -> Tuple[int, float]:
+        """(elements, seconds) of streamed updates since the last call."""
+        counts = (self._elements, self._seconds)
+        self._elements, self._seconds = 0, 0.0
+        return counts
+
+
+class CudaStreamUpdater(SyncStreamUpdater):
+    """A host subgroup updated by the GPU: states H2D, fused Adam, states D2H.
+
+    The copies run on their own streams (both directions in flight at once, two device
+    slots alternating) and nothing here waits for them: the host buffer is marked busy
+    until its D2H ends.
+    """
+
+    def __init__(self, device_updater: DeviceUpdater, store: SubgroupStore):
+        super().__init__(device_updater, store)
+        device = store.device
+        self._stream_slots = [torch.empty(store.buffer_bytes, dtype=torch.uint8,
+                                          device=device) for _ in range(2)]
+        self._sh2d = torch.cuda.Stream(device)
+        self._sd2h = torch.cuda.Stream(device)
+        self._stream_next = 0
+        self._slot_free: List[object] = [None, None]
+        self._stream_marks: List[tuple] = []
+
+    def _stream(self, index: int, host: torch.Tensor, args: StepArgs) -> None:
+        nbytes = host.numel()
+        k = self._stream_next
+        self._stream_next ^= 1
+        slot = self._stream_slots[k][:nbytes]
+        current = torch.cuda.current_stream(self.store.device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+        with torch.cuda.stream(self._sh2d):
+            if self._slot_free[k] is not None:
+                self._sh2d.wait_event(self._slot_free[k])
+            marks[0].record(self._sh2d)
+            slot.copy_(host, non_blocking=True)
+            marks[1].record(self._sh2d)
+        current.wait_event(marks[1])
+        marks[2].record(current)
+        self.on_device.apply(index, slot, args)
+        marks[3].record(current)
+        with torch.cuda.stream(self._sd2h):
+            self._sd2h.wait_event(marks[3])
+            marks[4].record(self._sd2h)
+            host.copy_(slot, non_blocking=True)
+            marks[5].record(self._sd2h)
+        self._slot_free[k] = marks[5]
+        self.store.mark_busy(index, marks[5])
+        self._stream_marks.append((self.store.subgroups[index].numel, marks))
+
+    def take_counts(self) -> Tuple[int, float]:
+        """(elements, seconds) of the last step's streamed updates, from the GPU's events."""
+        stream_elements, stream_s = super().take_counts()
+        if self._stream_marks:
+            # The pipeline runs at its slowest stage: H2D, the device's Adam, or D2H.
+            stages = [0.0, 0.0, 0.0]
+            for elements, marks in self._stream_marks:
+                marks[5].synchronize()
+                stream_elements += elements
+                for k in range(3):
+                    stages[k] += marks[2 * k].elapsed_time(marks[2 * k + 1]) / 1000
+            stream_s = max(stages)
+            self._stream_marks = []
+        return stream_elements, stream_s
+
+
+def stream_updater(device_updater: DeviceUpdater, store: SubgroupStore,
+                   gpu_update: bool) -> SyncStreamUpdater:
+    """The streamed updater of the run: on CUDA with ``--offload-gpu-update``, on streams."""
+    if store.is_cuda and gpu_update:
+        return CudaStreamUpdater(device_updater, store)
+    return SyncStreamUpdater(device_updater, store)
