@@ -73,7 +73,8 @@ def save(store: "SubgroupStore", directory: str, fields: dict, extra: dict) -> N
         extra: the caller's fields (what it checks on load, e.g. the parallel layout).
     """
     # io imports torch: this module stays light for the integrity check's tools.
-    from megatron_ext.offload.io import aligned_empty, secure_makedirs
+    from megatron_ext.offload.blockio import aligned_empty
+    from megatron_ext.offload.io import secure_makedirs
 
     rank_dir = rank_directory(directory, store.rank)
     secure_makedirs(rank_dir)

@@ -27,8 +27,7 @@ from typing import Tuple
 
 import numpy as np
 
-from megatron_ext.offload.io import (
-    MIN_CHUNK,
+from megatron_ext.offload.blockio import (
     IOThreads,
     aligned_empty,
     drop_direct,
@@ -36,6 +35,7 @@ from megatron_ext.offload.io import (
     pread_full,
     pwrite_all,
 )
+from megatron_ext.offload.io import MIN_CHUNK
 from megatron_ext.offload.paths import TierSpec
 
 __all__ = [

@@ -26,9 +26,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.blockio import aligned_empty
 from megatron_ext.offload.cache import Entry, HostCache
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.io import OffloadStateError, StateFileIO, aligned_empty, secure_makedirs
+from megatron_ext.offload.io import OffloadStateError, StateFileIO, secure_makedirs
 from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.locks import NodeLocks
 from megatron_ext.offload.paths import TierSpec, check_free_space

@@ -143,7 +143,7 @@ class CpuWorker:
         A buffer is replaced (with 1% headroom) only when a group outgrows it: page-locked
         allocations are registered for the life of the process. Not zeroed.
         """
-        from megatron_ext.offload.io import aligned_empty
+        from megatron_ext.offload.blockio import aligned_empty
 
         out = {}
         for group, n in sizes.items():

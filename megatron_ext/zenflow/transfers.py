@@ -153,7 +153,7 @@ class DelayedGrads:
         replaced (with 1% headroom: re-selection changes the sizes a little) only when a
         group outgrows it.
         """
-        from megatron_ext.offload.io import aligned_empty
+        from megatron_ext.offload.blockio import aligned_empty
 
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         for stage in self._stage:

@@ -13,14 +13,8 @@ import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload import io as oio
-from megatron_ext.offload.io import (
-    ALIGN,
-    OffloadStateError,
-    StateFileIO,
-    aligned_empty,
-    read_header,
-    secure_makedirs,
-)
+from megatron_ext.offload.blockio import ALIGN, aligned_empty
+from megatron_ext.offload.io import OffloadStateError, StateFileIO, read_header, secure_makedirs
 
 IS_ROOT = os.geteuid() == 0
 ID = {"rank": 3, "subgroup": 5}

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_ext.offload import blockio, probe
 from megatron_ext.offload import io as oio
-from megatron_ext.offload import probe
 from megatron_ext.offload.probe import probe_bandwidth
 
 MIB = 1 << 20
@@ -18,7 +18,7 @@ MIB = 1 << 20
 def spy(monkeypatch):
     """Records the I/O threads' task lists and every pwrite/preadv the probe makes."""
     calls = {"runs": [], "writes": [], "reads": []}
-    real_run, real_pwrite, real_preadv = oio.IOThreads.run, os.pwrite, os.preadv
+    real_run, real_pwrite, real_preadv = blockio.IOThreads.run, os.pwrite, os.preadv
 
     def run(self, tasks):
         calls["runs"].append((self.threads, len(tasks)))
@@ -32,7 +32,7 @@ def spy(monkeypatch):
         calls["reads"].append((len(buffers[0]), offset, _address(buffers[0])))
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(oio.IOThreads, "run", run)
+    monkeypatch.setattr(blockio.IOThreads, "run", run)
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "preadv", preadv)
     return calls
@@ -55,7 +55,7 @@ def test_probe_measures_a_directory_through_the_engines_io(tmp_path, spy, direct
     for op in ("writes", "reads"):
         assert sorted(offset for _, offset, _ in spy[op]) == sorted(
             [i * MIB for i in range(4)] * 2)
-        assert all(size == MIB and address % oio.ALIGN == 0 for size, _, address in spy[op])
+        assert all(size == MIB and address % blockio.ALIGN == 0 for size, _, address in spy[op])
 
 
 def test_probe_takes_direct_io_where_the_state_files_do(tmp_path):
