@@ -23,7 +23,6 @@ It never imports megatron-core: :mod:`.optimizer` hands it the shard's tensors.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from concurrent.futures import Future
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
@@ -38,7 +37,7 @@ from megatron_ext.offload.paths import TierSpec
 from megatron_ext.offload.plan import TierPlan, gb
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
-from megatron_ext.offload.subgroups import Subgroup, layout_fingerprint, partition
+from megatron_ext.offload.subgroups import ShardParam, Subgroup, layout_fingerprint, partition
 from megatron_ext.offload.tier_model import Tier, Updater
 from megatron_ext.offload.updaters import (
     CpuUpdater,
@@ -54,21 +53,6 @@ from megatron_ext.offload.updaters import (
 from megatron_ext.runtime.faults import Faults
 
 log = logging.getLogger(__name__)
-
-@dataclasses.dataclass
-class ShardParam:
-    """One parameter's part of the rank's shard, as the engine sees it."""
-
-    numel: int
-    group: int
-    """Index of its optimizer param group (lr, weight decay, betas, eps)."""
-    grad: Callable[[], torch.Tensor]
-    """Returns the shard's reduce-scattered gradient (training dtype, model device)."""
-    out: torch.Tensor
-    """Where the updated weights go: the shard's slice of the model's param buffer."""
-    init: Callable[[], torch.Tensor]
-    """Returns the shard's current model weights (to build fp32 masters from)."""
-
 
 class OffloadEngine:
     """Owns the fp32 state of one rank's shard and updates it subgroup by subgroup."""

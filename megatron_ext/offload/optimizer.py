@@ -16,11 +16,12 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.engine import OffloadEngine, ShardParam
+from megatron_ext.offload.engine import OffloadEngine
 from megatron_ext.offload.jobdir import default_run_id
 from megatron_ext.offload.paths import TierSpec, parse_tier_spec
 from megatron_ext.offload.probe import PROBE_REPEATS, probe_bandwidth, probe_plan
 from megatron_ext.offload.states import StateLayout
+from megatron_ext.offload.subgroups import ShardParam
 from megatron_ext.optim.sharded_optimizer import (
     ShardedStateOptimizer,
     bound_distributed_optimizer,

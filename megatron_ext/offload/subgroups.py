@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import List, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Sequence, Tuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +89,18 @@ def layout_fingerprint(numels: Sequence[int], groups: Sequence[int], size: int) 
     """A digest of the layout: state files of another layout must not be loaded."""
     text = json.dumps({"numels": list(numels), "groups": list(groups), "size": size})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class ShardParam:
+    """One parameter's part of the rank's shard, as the engine sees it."""
+
+    numel: int
+    group: int
+    """Index of its optimizer param group (lr, weight decay, betas, eps)."""
+    grad: Callable[[], torch.Tensor]
+    """Returns the shard's reduce-scattered gradient (training dtype, model device)."""
+    out: torch.Tensor
+    """Where the updated weights go: the shard's slice of the model's param buffer."""
+    init: Callable[[], torch.Tensor]
+    """Returns the shard's current model weights (to build fp32 masters from)."""

@@ -33,7 +33,7 @@ from megatron_ext.offload.subgroups import Subgroup
 from megatron_ext.optim.adamw import adam_update, unscale_and_clip
 
 if TYPE_CHECKING:
-    from megatron_ext.offload.engine import ShardParam
+    from megatron_ext.offload.subgroups import ShardParam
 
 
 @dataclasses.dataclass

@@ -224,7 +224,7 @@ class TieredCpuStates(CpuStates):
         self._init: Dict[int, torch.Tensor] = {}
 
     def _new_engine(self, sizes: Dict[int, int], upload: Dict[int, torch.Tensor]):
-        from megatron_ext.offload.engine import ShardParam
+        from megatron_ext.offload.subgroups import ShardParam
 
         params = [ShardParam(numel=n, group=g, grad=lambda g=g: self._grads[g],
                              out=upload[g], init=lambda g=g: self._init[g])

@@ -15,8 +15,9 @@ import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.engine import OffloadEngine, ShardParam
+from megatron_ext.offload.engine import OffloadEngine
 from megatron_ext.offload.paths import TierSpec
+from megatron_ext.offload.subgroups import ShardParam
 
 SIZES = [37, 1000, 5, 2048, 300, 129]
 GROUPS = [0, 1, 0, 1, 0, 1]

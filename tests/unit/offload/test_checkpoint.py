@@ -11,10 +11,11 @@ import torch
 from megatron_ext.errors import UsageError
 from megatron_ext.offload import checkpoint
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.engine import OffloadEngine, ShardParam
+from megatron_ext.offload.engine import OffloadEngine
 from megatron_ext.offload.io import OffloadStateError
 from megatron_ext.offload.paths import TierSpec
 from megatron_ext.offload.states import StateLayout
+from megatron_ext.offload.subgroups import ShardParam
 
 NUMELS = [37, 300, 5, 129]
 HPARAMS = [{"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.offload.engine import ShardParam
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats
-from megatron_ext.offload.subgroups import partition
+from megatron_ext.offload.subgroups import ShardParam, partition
 from megatron_ext.offload.updaters import (
     CpuUpdater,
     DeviceUpdater,

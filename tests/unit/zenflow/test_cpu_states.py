@@ -226,8 +226,8 @@ def test_each_refuses_the_other_places_checkpoint(make_offload_engine):
 def test_offload_engines_name_each_selection_apart(tmp_path):
     """The factory of the optimizer: generation 0 under the run id, then .selectionN."""
     from megatron_ext.offload.config import OffloadConfig
-    from megatron_ext.offload.engine import ShardParam
     from megatron_ext.offload.paths import TierSpec
+    from megatron_ext.offload.subgroups import ShardParam
 
     tiers = [TierSpec(str(tmp_path), read_gbps=1.0, write_gbps=1.0)]
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[str(tmp_path)])
