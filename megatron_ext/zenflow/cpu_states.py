@@ -3,27 +3,35 @@
 The CPU side's states are, per param group, one compact vector of the delayed columns (in
 the CPU plan's order, ``selection.Plan``). :class:`CpuStates` is what the CPU worker and
 the engine ask of them: a window's Adam step, the masters cast into the upload buffers,
-reads and a refill for the moves of a re-selection, checkpoints. :class:`HostCpuStates`
-keeps them in host memory (``--zenflow-cpu-states host``); :class:`TieredCpuStates` in an
-offload engine, whose host cache and ``--offload-paths`` files hold them (``tiers``).
-Both give the same states bit for bit after the same updates.
+reads and a refill, the move of a re-selection (each picks its way of :mod:`.moves`),
+checkpoints. :class:`HostCpuStates` keeps them in host memory (``--zenflow-cpu-states
+host``); :class:`TieredCpuStates` in an offload engine, whose host cache and
+``--offload-paths`` files hold them (``tiers``). Both give the same states bit for bit
+after the same updates (and moves).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List
 
 import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.adamw import adam_update
 
+if TYPE_CHECKING:
+    from megatron_ext.zenflow.moves import Move
+
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 Fill = Callable[[int, int, int, List[torch.Tensor]], None]
 """``fill(group, start, length, [master, exp_avg, exp_avg_sq])``: writes elements
 ``[start, start + length)`` of ``group``'s three states into the fp32 views."""
+
+Renew = Callable[[Dict[int, int]], Dict[int, torch.Tensor]]
+"""``renew(sizes)``: the CPU worker's fresh accumulators and upload buffers of the new
+per-group ``sizes``; returns the upload buffers (the new weights go there from then on)."""
 
 
 class CpuStates(abc.ABC):
@@ -74,6 +82,16 @@ class CpuStates(abc.ABC):
 
         ``fill`` writes them and may :meth:`read` the old ones. The step count carries
         over; new weights go into ``upload`` from now on.
+        """
+
+    @abc.abstractmethod
+    def move(self, move: Move, renew: Renew) -> Dict[str, Dict[int, torch.Tensor]]:
+        """A re-selection's move (:class:`~.moves.Move`) the way these states are best moved.
+
+        Every element of the GPU side's states and of these goes to its side under the
+        new plans; returns the GPU side's new states. ``renew`` is called once, with the
+        new CPU sizes, before the new states take the upload buffers it returns. The step
+        count carries over.
         """
 
     @abc.abstractmethod
@@ -166,6 +184,21 @@ class HostCpuStates(CpuStates):
             store.clear()
             store.update(values)
         self._upload = upload
+
+    def move(self, move: Move, renew: Renew) -> Dict[str, Dict[int, torch.Tensor]]:
+        """Whole groups, one kind at a time (:meth:`~.moves.Move.whole_groups`).
+
+        Each old kind is dropped before the next kind moves: the host holds the old
+        states and about one kind more (a segment move would hold old and new whole).
+        """
+        gpu, new = move.whole_groups(dict(zip(KINDS, self._stores())))
+        for store, kind in zip(self._stores(), KINDS):
+            store.clear()
+            store.update(new[kind])
+        # The worker's new buffers only once the states have moved (the old accumulators
+        # go then): the order, and so the host memory peak, the host move always had.
+        self._upload = renew(dict(move.new_cpu.sizes))
+        return gpu
 
     def state_dict(self) -> Dict[str, Dict[int, torch.Tensor]]:
         """master, exp_avg and exp_avg_sq per group (the tensors themselves)."""
@@ -295,6 +328,15 @@ class TieredCpuStates(CpuStates):
             self._source = None
         if old is not None:
             old.close()
+
+    def move(self, move: Move, renew: Renew) -> Dict[str, Dict[int, torch.Tensor]]:
+        """Segment by segment (:meth:`~.moves.Move.segments`) into a new engine.
+
+        Nothing of the states' size enters host memory; the old engine is read while the
+        new one is filled (:meth:`replace`).
+        """
+        return move.segments(self.read,
+                             lambda sizes, fill: self.replace(sizes, renew(sizes), fill))
 
     def state_dict(self) -> Dict[str, Dict[int, torch.Tensor]]:
         """None in the rank file: the engine saves its files with the checkpoint."""

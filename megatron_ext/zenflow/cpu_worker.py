@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -33,6 +33,9 @@ from megatron_ext.runtime import host_kernels
 from megatron_ext.zenflow.config import ZenFlowConfig
 from megatron_ext.zenflow.cpu_affinity import default_threads, host_cpus
 from megatron_ext.zenflow.cpu_states import CpuStates, Fill, HostCpuStates
+
+if TYPE_CHECKING:
+    from megatron_ext.zenflow.moves import Move
 
 ACCUMULATE_CHUNK = 1 << 24
 """Elements converted to fp32 at a time when a step's grads are accumulated (64 MB)."""
@@ -209,6 +212,20 @@ class CpuWorker:
         """
         self._fresh_window_buffers(sizes)
         self.states.replace(sizes, self.upload, fill)
+
+    def move(self, move: Move) -> Dict[str, Dict[int, torch.Tensor]]:
+        """A re-selection's move of every state element; the GPU side's new states.
+
+        The states make it their way (:meth:`CpuStates.move`: whole groups in host memory,
+        segment by segment in the offload tiers); fresh accumulators and upload buffers of
+        the new sizes. Only between windows: every accumulator has been consumed.
+        """
+        return self.states.move(move, self._renew)
+
+    def _renew(self, sizes: Dict[int, int]) -> Dict[int, torch.Tensor]:
+        """Fresh accumulators and upload buffers of the new ``sizes``; the upload buffers."""
+        self._fresh_window_buffers(sizes)
+        return self.upload
 
     # ------------------------------------------------------------ tasks
 

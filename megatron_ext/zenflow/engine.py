@@ -308,7 +308,7 @@ class ZenFlowEngine:
             self._build_states()
         else:
             self.gpu = move_states(self.gpu, *old_plans, self.gpu_plan, self.cpu_plan,
-                                   self.cpu, self.device)
+                                   self.shards, self.cpu, self.device)
 
     def _set_selection(self, selected: Dict[int, torch.Tensor]) -> None:
         self.selected = selected

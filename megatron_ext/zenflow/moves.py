@@ -1,25 +1,45 @@
 """Re-selection: every state element moves to its side under the new plans.
 
-One matrix segment (or 1-D parameter) at a time, its three states (fp32 master, exp_avg,
-exp_avg_sq) are assembled on the host from the old GPU buffers and the CPU side's old
-states (read through :class:`~.cpu_states.CpuStates`), then cut by the new plans into new
-GPU buffers and the CPU side's new states (which the CPU side fills through the same
-interface, wherever it keeps them). Nothing of the size of the CPU side's states is held
-besides the old and the new states themselves; no moment is lost or duplicated.
+Two ways, one per place of the CPU side's states (the states choose, through
+:meth:`.cpu_states.CpuStates.move`); both are plain copies and give the same states:
+
+* :meth:`Move.whole_groups` (states in host memory): one kind of state at a time, whole
+  param groups. Each old GPU buffer crosses to the host in one copy, is scattered with the
+  CPU side's old states by the old plans into full per-shard fp32 tensors, and these are
+  gathered by the new plans into the new GPU buffer (one copy to the device) and the new
+  CPU states. The kind's old states are dropped before the next kind: host memory holds
+  the old states and about one kind more, and a GPU makes few large copies.
+* :meth:`Move.segments` (states in the offload tiers): one matrix segment (or 1-D
+  parameter) at a time, its three states are assembled on the host from the old GPU
+  buffers and the CPU side's old states (read through the states' interface), then cut by
+  the new plans into new GPU buffers and the CPU side's new states (which the CPU side
+  fills, wherever it keeps them). Nothing of the size of the CPU side's states is held
+  besides the old and the new states themselves.
+
+No moment is lost or duplicated.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+import dataclasses
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_ext.zenflow.cpu_states import KINDS
+from megatron_ext.zenflow.cpu_states import KINDS, Fill
 from megatron_ext.zenflow.cpu_worker import CpuWorker
 from megatron_ext.zenflow.selection import Plan
 
 States = Dict[str, Dict[int, torch.Tensor]]
 """kind -> param group -> compact fp32 tensor."""
+
+Read = Callable[[int, int, int, List[torch.Tensor]], None]
+"""``read(group, start, length, [master, exp_avg, exp_avg_sq])``: the CPU side's old
+states' elements (:meth:`~.cpu_states.CpuStates.read`)."""
+
+Replace = Callable[[Dict[int, int], Fill], None]
+"""``replace(sizes, fill)``: the CPU side's new states of the per-group ``sizes``, written
+by ``fill`` (which reads the old ones)."""
 
 
 def _units(plan: Plan) -> Dict[tuple, tuple]:
@@ -35,62 +55,124 @@ def _cut(piece, state: torch.Tensor) -> torch.Tensor:
     return state.index_select(1, piece.index_on(torch.device("cpu"))).reshape(-1)
 
 
-def move_states(gpu: States, old_gpu: Plan, old_cpu: Plan, new_gpu: Plan, new_cpu: Plan,
-                cpu: CpuWorker, device: torch.device) -> States:
-    """The GPU side's new states; the CPU side's are replaced (``cpu.reselect``).
+@dataclasses.dataclass
+class Move:
+    """One re-selection's move: the GPU side's states and both sides' old and new plans.
 
-    ``gpu``: the GPU side's states under ``old_gpu``; the CPU side's are under
-    ``old_cpu``. Between windows only (every accumulator consumed).
+    Between windows only (every accumulator consumed). The CPU side's states pick
+    :meth:`whole_groups` or :meth:`segments`.
     """
-    old_g, old_c = _units(old_gpu), _units(old_cpu)
-    last: Dict[str, object] = {"key": None, "states": None}
 
-    def assemble(key: tuple) -> List[torch.Tensor]:
-        """The unit's master, exp_avg and exp_avg_sq, fp32, on the host.
+    gpu: States
+    """The GPU side's states under ``old_gpu`` (the CPU side's are under ``old_cpu``)."""
+    old_gpu: Plan
+    old_cpu: Plan
+    new_gpu: Plan
+    new_cpu: Plan
+    shards: Sequence
+    """The rank's optimizer shards (``group``, ``numel``): :meth:`whole_groups` rebuilds a
+    param group's shards whole."""
+    device: torch.device
 
-        ``[rows, width]`` for a matrix segment, flat for a 1-D parameter.
+    def whole_groups(self, cpu_old: States) -> Tuple[States, States]:
+        """(the GPU side's new states, the CPU side's), one kind at a time.
+
+        ``cpu_old``: the CPU side's old states, whole groups; each kind's dict is emptied
+        once the kind has moved, and ``gpu``'s kind replaced (in place) by the new one, so
+        that only one kind is held twice. The new CPU states are whole tensors per group.
         """
-        if last["key"] == key:
-            return last["states"]
-        sources = [(side, unit) for side, unit in (("gpu", old_g.get(key)),
-                                                    ("cpu", old_c.get(key)))
-                   if unit is not None]
-        first = sources[0][1][1]
-        seg = first.segment
-        shape = (first.length,) if seg is None else (seg.rows, seg.width)
-        states = [torch.empty(shape, dtype=torch.float32) for _ in KINDS]
-        for side, (group, piece) in sources:
-            if side == "gpu":
-                parts = [gpu[kind][group][piece.offset:piece.offset + piece.length]
-                         .cpu() for kind in KINDS]
-            else:
-                parts = [torch.empty(piece.length) for _ in KINDS]
-                cpu.states.read(group, piece.offset, piece.length, parts)
-            for state, part in zip(states, parts):
-                if seg is None:
-                    state.copy_(part)
+        groups = sorted({s.group for s in self.shards})
+        new_cpu_sizes = dict(self.new_cpu.sizes)
+        cpu_new: States = {}
+        for kind in KINDS:
+            old = cpu_old[kind]
+            gpu_new, cpu_new[kind] = {}, {}
+            for group in groups:
+                full = {i: torch.empty(s.numel, dtype=torch.float32)
+                        for i, s in enumerate(self.shards) if s.group == group}
+                if group in self.gpu[kind]:
+                    self.old_gpu.scatter(group, self.gpu[kind][group].cpu(), full.__getitem__)
+                if group in old:
+                    self.old_cpu.scatter(group, old[group], full.__getitem__)
+                if group in self.new_gpu.sizes:
+                    gpu_new[group] = self.new_gpu.gather(group, full.__getitem__, torch.empty(
+                        self.new_gpu.sizes[group], dtype=torch.float32)).to(self.device)
+                if group in new_cpu_sizes:
+                    cpu_new[kind][group] = self.new_cpu.gather(group, full.__getitem__,
+                                                               torch.empty(new_cpu_sizes[group]))
+                del full
+            self.gpu[kind] = gpu_new
+            old.clear()
+        return self.gpu, cpu_new
+
+    def segments(self, read: Read, replace: Replace) -> States:
+        """The GPU side's new states; the CPU side's are written through ``replace``.
+
+        ``read``: the CPU side's old states (also while ``replace`` runs).
+        """
+        old_g, old_c = _units(self.old_gpu), _units(self.old_cpu)
+        last: Dict[str, object] = {"key": None, "states": None}
+
+        def assemble(key: tuple) -> List[torch.Tensor]:
+            """The unit's master, exp_avg and exp_avg_sq, fp32, on the host.
+
+            ``[rows, width]`` for a matrix segment, flat for a 1-D parameter.
+            """
+            if last["key"] == key:
+                return last["states"]
+            sources = [(side, unit) for side, unit in (("gpu", old_g.get(key)),
+                                                        ("cpu", old_c.get(key)))
+                       if unit is not None]
+            first = sources[0][1][1]
+            seg = first.segment
+            shape = (first.length,) if seg is None else (seg.rows, seg.width)
+            states = [torch.empty(shape, dtype=torch.float32) for _ in KINDS]
+            for side, (group, piece) in sources:
+                if side == "gpu":
+                    parts = [self.gpu[kind][group][piece.offset:piece.offset + piece.length]
+                             .cpu() for kind in KINDS]
                 else:
-                    state.index_copy_(1, piece.index_on(torch.device("cpu")),
-                                      part.view(seg.rows, -1))
-        last["key"], last["states"] = key, states
-        return states
+                    parts = [torch.empty(piece.length) for _ in KINDS]
+                    read(group, piece.offset, piece.length, parts)
+                for state, part in zip(states, parts):
+                    if seg is None:
+                        state.copy_(part)
+                    else:
+                        state.index_copy_(1, piece.index_on(torch.device("cpu")),
+                                          part.view(seg.rows, -1))
+            last["key"], last["states"] = key, states
+            return states
 
-    gpu_new = {kind: {g: torch.empty(n, dtype=torch.float32, device=device)
-                      for g, n in new_gpu.sizes.items()} for kind in KINDS}
-    for key, (group, piece) in _units(new_gpu).items():
-        for kind, state in zip(KINDS, assemble(key)):
-            gpu_new[kind][group][piece.offset:piece.offset + piece.length].copy_(
-                _cut(piece, state))
-    new_pieces = {g: [(p.offset, p) for p in pieces] for g, pieces in new_cpu.pieces.items()}
+        gpu_new = {kind: {g: torch.empty(n, dtype=torch.float32, device=self.device)
+                          for g, n in self.new_gpu.sizes.items()} for kind in KINDS}
+        for key, (group, piece) in _units(self.new_gpu).items():
+            for kind, state in zip(KINDS, assemble(key)):
+                gpu_new[kind][group][piece.offset:piece.offset + piece.length].copy_(
+                    _cut(piece, state))
+        new_pieces = {g: [(p.offset, p) for p in pieces]
+                      for g, pieces in self.new_cpu.pieces.items()}
 
-    def fill(group: int, start: int, length: int, views: List[torch.Tensor]) -> None:
-        for offset, piece in new_pieces.get(group, ()):
-            lo, hi = max(start, offset), min(start + length, offset + piece.length)
-            if lo >= hi:
-                continue
-            key = (piece.shard, piece.segment.offset)
-            for view, state in zip(views, assemble(key)):
-                view[lo - start:hi - start].copy_(_cut(piece, state)[lo - offset:hi - offset])
+        def fill(group: int, start: int, length: int, views: List[torch.Tensor]) -> None:
+            for offset, piece in new_pieces.get(group, ()):
+                lo, hi = max(start, offset), min(start + length, offset + piece.length)
+                if lo >= hi:
+                    continue
+                key = (piece.shard, piece.segment.offset)
+                for view, state in zip(views, assemble(key)):
+                    view[lo - start:hi - start].copy_(
+                        _cut(piece, state)[lo - offset:hi - offset])
 
-    cpu.reselect(dict(new_cpu.sizes), fill)
-    return gpu_new
+        replace(dict(self.new_cpu.sizes), fill)
+        return gpu_new
+
+
+def move_states(gpu: States, old_gpu: Plan, old_cpu: Plan, new_gpu: Plan, new_cpu: Plan,
+                shards: Sequence, cpu: CpuWorker, device: torch.device) -> States:
+    """The GPU side's new states; the CPU side's are replaced (:meth:`CpuWorker.move`).
+
+    ``gpu``: the GPU side's states under ``old_gpu`` (its kinds may be replaced in place);
+    the CPU side's are under ``old_cpu``. ``shards``: the rank's optimizer shards. The CPU
+    side's states choose the way (:class:`Move`). Between windows only (every
+    accumulator consumed).
+    """
+    return cpu.move(Move(gpu, old_gpu, old_cpu, new_gpu, new_cpu, shards, device))
