@@ -148,6 +148,8 @@ class SubgroupStore:
         self.cache = HostCache(plan.capacity, self._alloc_state)
         self._device_states: Dict[int, torch.Tensor] = {}
         self._flushes: List[Future] = []
+        self._flushing: Dict[int, Future] = {}
+        """Each subgroup's latest flush (done or not): a fetch of it waits for that write."""
         self._io_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-fetch")
         self._flush_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-flush")
         self._busy: Dict[int, object] = {}
@@ -361,15 +363,24 @@ class SubgroupStore:
             return entry.buffer, None
         flush = self._flush_pool.submit(self.write, victim, entry.buffer)
         self._flushes.append(flush)
+        self._flushing[victim] = flush
         return entry.buffer, flush
 
     def start_fetch(self, subgroup: int, protect: Sequence[int]) -> Future:
-        """Reads subgroup ``subgroup``'s file into a free buffer on the fetch thread."""
+        """Reads subgroup ``subgroup``'s file into a free buffer on the fetch thread.
+
+        The read waits for the flush of the buffer it reuses, and for a flush of the
+        subgroup's own newer state that may still be under way: a subgroup evicted at the
+        end of one step can be fetched again at the start of the next, and reading its file
+        before that write lands would read the previous step's state.
+        """
         buffer, flush = self.take_buffer(protect)
+        own = self._flushing.get(subgroup)
 
         def fetch() -> torch.Tensor:
-            if flush is not None:
-                flush.result()
+            for pending in (flush, own):
+                if pending is not None:
+                    pending.result()
             self.read(subgroup, buffer)
             return buffer
         return self._io_pool.submit(fetch)
@@ -389,6 +400,7 @@ class SubgroupStore:
         for index in list(self._busy):
             self.settle(index)
         flushes, self._flushes = self._flushes, []
+        self._flushing = {}
         for flush in flushes:
             flush.result()
 

@@ -178,3 +178,36 @@ def test_close_removes_the_rank_directories(tmp_path):
     rank_dir = store.rank_dirs[0]
     store.close()
     assert not os.path.exists(rank_dir)
+
+
+def test_a_fetch_waits_for_the_subgroups_own_flush(tmp_path):
+    """A subgroup evicted (its newer state still being written) and fetched again at once
+    reads the newer state, not the file of the step before (a race CI once met)."""
+    import threading
+    import time
+
+    store = make_store(tmp_path, cache_subgroups=4)
+    try:
+        store.version[0] = 1
+        store.write(0, state(store, 0, seed=1))  # the file holds step 1
+        newer = state(store, 0, seed=2)
+        expected = newer.clone()
+        store.version[0] = 2
+        store.cache.insert(0, newer, dirty=True)  # step 2's state, not written yet
+        for i in (1, 2):
+            store.cache.insert(i, state(store, i, seed=10 + i), dirty=False)
+        real_write, started = store.write, threading.Event()
+
+        def slow_write(subgroup, buffer, kind="state"):
+            started.set()
+            time.sleep(0.5)
+            return real_write(subgroup, buffer, kind)
+
+        store.write = slow_write
+        _, flush = store.take_buffer(protect=())  # evicts 0: its flush starts, slowly
+        assert flush is not None and started.wait(5) and not flush.done()
+        fetched = store.start_fetch(0, protect=()).result()
+        n = store.sizes[0]
+        assert torch.equal(fetched[:n], expected[:n])
+    finally:
+        store.close()
