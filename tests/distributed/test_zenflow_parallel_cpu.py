@@ -1,7 +1,7 @@
 """--zenflow with two processes (torchrun, gloo): DP=2 and TP=2 equal plain Adam where
 ZenFlow must (all columns selected; synchronous steps), and resume is exact at DP=2.
 (TP=2 resume goes through the same per-rank file; the engine's state round trip is
-tests/unit/test_zenflow_engine.py's.)"""
+tests/unit/zenflow/test_engine.py's.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ZenFlow's section of the iteration line.
 
 The many refusals of planted or foreign directories are unit tests
-(tests/unit/test_offload_jobdir.py); here real pretrain_gpt.py processes show the lock
+(tests/unit/offload/test_jobdir.py); here real pretrain_gpt.py processes show the lock
 between two jobs and what a run prints and leaves behind.
 """
 

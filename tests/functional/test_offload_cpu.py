@@ -1,7 +1,7 @@
 """pretrain_gpt.py with --offload-optimizer on the CPU: same losses, exact resume, faults.
 
 The equivalence of every combination of the off switches is proven on the engine itself
-(tests/unit/test_offload_engine.py, 16 combinations x host-only/one/two paths x fp32/bf16,
+(tests/unit/offload/test_engine.py, 16 combinations x host-only/one/two paths x fp32/bf16,
 bit for bit against torch's AdamW); here whole runs cover all switches on, all off and each
 one off, through megatron-core's real optimizer, checkpoints and processes.
 """

@@ -2,7 +2,7 @@
 
 The engine's semantics (windows, delayed application, re-selection that keeps every
 moment, no race between the CPU threads) are proven against a plain-PyTorch reference in
-tests/unit/test_zenflow_engine.py; here whole runs go through megatron-core's optimizer,
+tests/unit/zenflow/test_engine.py; here whole runs go through megatron-core's optimizer,
 checkpoints and processes.
 """
 
