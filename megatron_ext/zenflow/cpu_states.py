@@ -13,21 +13,13 @@ after the same updates (and moves).
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Callable, Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.adamw import adam_update
-
-if TYPE_CHECKING:
-    from megatron_ext.zenflow.moves import Move
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-Fill = Callable[[int, int, int, List[torch.Tensor]], None]
-"""``fill(group, start, length, [master, exp_avg, exp_avg_sq])``: writes elements
-``[start, start + length)`` of ``group``'s three states into the fp32 views."""
+from megatron_ext.zenflow.moves import KINDS, Fill, Move
 
 Renew = Callable[[Dict[int, int]], Dict[int, torch.Tensor]]
 """``renew(sizes)``: the CPU worker's fresh accumulators and upload buffers of the new

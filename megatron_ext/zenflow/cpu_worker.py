@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -32,10 +32,8 @@ from megatron_ext.optim.adamw import unscale_and_clip
 from megatron_ext.runtime import host_kernels
 from megatron_ext.zenflow.config import ZenFlowConfig
 from megatron_ext.zenflow.cpu_affinity import default_threads, host_cpus
-from megatron_ext.zenflow.cpu_states import CpuStates, Fill, HostCpuStates
-
-if TYPE_CHECKING:
-    from megatron_ext.zenflow.moves import Move
+from megatron_ext.zenflow.cpu_states import CpuStates, HostCpuStates
+from megatron_ext.zenflow.moves import Fill, Move
 
 ACCUMULATE_CHUNK = 1 << 24
 """Elements converted to fp32 at a time when a step's grads are accumulated (64 MB)."""

@@ -48,10 +48,10 @@ from megatron_ext.zenflow.accumulation import (
 )
 from megatron_ext.zenflow.config import CPUS_ENV, ZenFlowConfig
 from megatron_ext.zenflow.cpu_affinity import cpu_ranges
-from megatron_ext.zenflow.cpu_states import KINDS, CpuStates, HostCpuStates
+from megatron_ext.zenflow.cpu_states import CpuStates, HostCpuStates
 from megatron_ext.zenflow.cpu_worker import CpuWorker
 from megatron_ext.zenflow.metrics import EngineStats
-from megatron_ext.zenflow.moves import move_states
+from megatron_ext.zenflow.moves import KINDS, move_states
 from megatron_ext.zenflow.schedule import StepPlan, WindowSchedule, adam_floor
 from megatron_ext.zenflow.selection import (
     Plan,

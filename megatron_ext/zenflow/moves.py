@@ -26,9 +26,14 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_ext.zenflow.cpu_states import KINDS, Fill
-from megatron_ext.zenflow.cpu_worker import CpuWorker
 from megatron_ext.zenflow.selection import Plan
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""The three states of every element: the fp32 master and Adam's two moments."""
+
+Fill = Callable[[int, int, int, List[torch.Tensor]], None]
+"""``fill(group, start, length, [master, exp_avg, exp_avg_sq])``: writes elements
+``[start, start + length)`` of ``group``'s three states into the fp32 views."""
 
 States = Dict[str, Dict[int, torch.Tensor]]
 """kind -> param group -> compact fp32 tensor."""
@@ -167,12 +172,12 @@ class Move:
 
 
 def move_states(gpu: States, old_gpu: Plan, old_cpu: Plan, new_gpu: Plan, new_cpu: Plan,
-                shards: Sequence, cpu: CpuWorker, device: torch.device) -> States:
-    """The GPU side's new states; the CPU side's are replaced (:meth:`CpuWorker.move`).
+                shards: Sequence, cpu, device: torch.device) -> States:
+    """The GPU side's new states; the CPU side's are replaced through ``cpu.move``.
 
-    ``gpu``: the GPU side's states under ``old_gpu`` (its kinds may be replaced in place);
-    the CPU side's are under ``old_cpu``. ``shards``: the rank's optimizer shards. The CPU
-    side's states choose the way (:class:`Move`). Between windows only (every
-    accumulator consumed).
+    ``cpu``: the :class:`~.cpu_worker.CpuWorker`. ``gpu``: the GPU side's states under
+    ``old_gpu`` (its kinds may be replaced in place); the CPU side's are under ``old_cpu``.
+    ``shards``: the rank's optimizer shards. The CPU side's states choose the way
+    (:class:`Move`). Between windows only (every accumulator consumed).
     """
     return cpu.move(Move(gpu, old_gpu, old_cpu, new_gpu, new_cpu, shards, device))

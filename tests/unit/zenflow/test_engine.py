@@ -28,8 +28,9 @@ from megatron_ext.optim.sharded_optimizer import Shard
 from megatron_ext.runtime import host_kernels
 from megatron_ext.zenflow import cpu_affinity, cpu_worker
 from megatron_ext.zenflow.config import ZenFlowConfig
-from megatron_ext.zenflow.cpu_states import KINDS, TieredCpuStates
+from megatron_ext.zenflow.cpu_states import TieredCpuStates
 from megatron_ext.zenflow.engine import ZenFlowEngine
+from megatron_ext.zenflow.moves import KINDS
 from megatron_ext.zenflow.selection import top_columns
 
 # (shape, param group, owned range as fractions of the flattened parameter)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_ext.optim.sharded_optimizer import Shard
-from megatron_ext.zenflow.cpu_states import KINDS, HostCpuStates, TieredCpuStates
+from megatron_ext.zenflow.cpu_states import HostCpuStates, TieredCpuStates
 from megatron_ext.zenflow.cpu_worker import CpuWorker
-from megatron_ext.zenflow.moves import move_states
+from megatron_ext.zenflow.moves import KINDS, move_states
 from megatron_ext.zenflow.selection import build_plans, matrices_of
 
 SPECS = [  # shape, group, owned range of the flattened parameter
