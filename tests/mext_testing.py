@@ -6,6 +6,7 @@ top-level module ``conftest``, and an import of one would find another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -75,6 +76,31 @@ def free_ports(count: int) -> List[int]:
 def free_port() -> int:
     """One port of :func:`free_ports`."""
     return free_ports(1)[0]
+
+
+@contextlib.contextmanager
+def single_process_runtime(argv: Sequence[str]):
+    """megatron_ext's runtime of one process (rank 0 of 1, gloo on a free port).
+
+    ``argv``: pretrain_gpt.py's flags, parsed once the process-group variables are set (for
+    the block; they are restored after it).
+    """
+    from megatron_ext.config import parse_config
+    from megatron_ext.runtime import distributed
+
+    layout = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+              "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in layout}
+    os.environ.update(layout)
+    try:
+        yield distributed.initialize(parse_config(argv))
+    finally:
+        distributed.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_env(extra: Optional[dict] = None) -> dict:

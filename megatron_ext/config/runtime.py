@@ -1,9 +1,6 @@
 """The runtime config: where the run executes, and how its timers wait.
 
-Every field has a docstring (the string under it): ``--help`` is generated from them.
-Flag names and meanings follow Megatron-LM where Megatron-LM has the flag. Bounds of a
-single field are checked in ``__post_init__``; checks that involve several sections or the
-world size live in :mod:`megatron_ext.config.run`.
+The conventions of every section are in :mod:`megatron_ext.config`.
 """
 
 from __future__ import annotations

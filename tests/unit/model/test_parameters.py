@@ -1,12 +1,9 @@
 """The parameter count used for TFLOP/s (6N) equals the model megatron-core builds."""
 
-import os
-
 import pytest
 import torch
 
 from megatron_ext.config import parse_config
-from megatron_ext.runtime import distributed
 
 # The flags Megatron-LM requires (the model shape, micro batch, lr, training length).
 REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -16,22 +13,11 @@ REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 @pytest.fixture(scope="module")
 def runtime():
-    from mext_testing import free_port
+    from mext_testing import single_process_runtime
 
-    layout = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-              "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    saved = {k: os.environ.get(k) for k in layout}
-    os.environ.update(layout)
-    cfg = parse_config([*REQUIRED, "--mock-data", "--vocab-size", "100", "--device", "cpu"])
-    try:
-        yield distributed.initialize(cfg)
-    finally:
-        distributed.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with single_process_runtime(
+            [*REQUIRED, "--mock-data", "--vocab-size", "100", "--device", "cpu"]) as rt:
+        yield rt
 
 
 @pytest.mark.parametrize("args", [

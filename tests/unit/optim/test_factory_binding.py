@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from megatron_ext.config import parse_config
-from megatron_ext.runtime import distributed
 
 REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
@@ -17,21 +14,10 @@ REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 @pytest.fixture(scope="module")
 def runtime():
-    from mext_testing import free_port
+    from mext_testing import single_process_runtime
 
-    layout = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-              "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    saved = {k: os.environ.get(k) for k in layout}
-    os.environ.update(layout)
-    try:
-        yield distributed.initialize(parse_config(REQUIRED))
-    finally:
-        distributed.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with single_process_runtime(REQUIRED) as rt:
+        yield rt
 
 
 def build(runtime, *flags):
