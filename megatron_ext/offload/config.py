@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.jobdir import check_run_id
@@ -32,16 +32,19 @@ def parse_gb(text: str) -> float:
     return value
 
 
-def parse_peaks(text: str) -> Tuple[Tuple[int, float], ...]:
-    """``STEP:GB,STEP:GB``: (from step, GB) pairs, in the order given."""
+def parse_peaks(text: str) -> List[List[float]]:
+    """``STEP:GB,STEP:GB``: [from step, GB] pairs, in the order given.
+
+    Lists, not tuples: the run's config goes through JSON (wandb, the metrics) unchanged.
+    """
     peaks = []
     for item in text.split(","):
         if item:
             step, _, value = item.partition(":")
             if not step.strip().isdigit():
                 raise ValueError("give STEP:GB pairs separated by commas, e.g. 1:0.5,6:0.8")
-            peaks.append((int(step), parse_gb(value)))
-    return tuple(peaks)
+            peaks.append([int(step), parse_gb(value)])
+    return peaks
 
 
 def parse_share(text: str) -> float:
@@ -136,8 +139,8 @@ class OffloadConfig:
                                                            parse=parse_gb, metavar="GB")
     """Test hook of --offload-device-cache-gb auto: the device's usable memory in GB, in
     place of the GPU's (a CPU run has none to measure)."""
-    offload_device_peak_gb: Tuple[Tuple[int, float], ...] = knob(
-        (), env=MEMORY_PEAK_ENV, parse=parse_peaks, metavar="STEP:GB,...")
+    offload_device_peak_gb: List[List[float]] = knob(
+        [], env=MEMORY_PEAK_ENV, parse=parse_peaks, metavar="STEP:GB,...")
     """Test hook of --offload-device-cache-gb auto, with the memory limit hook: the peak of
     an iteration besides the engine's device states, in GB, from each STEP on."""
     offload_stream_share: Optional[float] = knob(None, env=STREAM_SHARE_ENV,

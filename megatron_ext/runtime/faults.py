@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence
 
 from megatron_ext.errors import UsageError
 from megatron_ext.runtime.fields import knob
@@ -34,12 +34,13 @@ from megatron_ext.runtime.fields import knob
 CHECKPOINT_ENV = "MEGATRON_EXT_CHECKPOINT_FAULT"
 OFFLOAD_ENV = "MEGATRON_EXT_OFFLOAD_FAULT"
 
-Rules = Tuple[Tuple[str, ...], ...]
-"""Parsed rules: one ``(kind, arg, ...)`` tuple per rule, in the order given."""
+Rules = Sequence[Sequence[str]]
+"""Parsed rules: one ``[kind, arg, ...]`` per rule, in the order given (lists in the config,
+which goes through JSON to wandb unchanged)."""
 
 
-def _split(text: str) -> Rules:
-    return tuple(tuple(part.split(":")) for part in text.split(";") if part)
+def _split(text: str) -> List[List[str]]:
+    return [part.split(":") for part in text.split(";") if part]
 
 
 def parse_checkpoint_faults(text: str) -> Rules:
@@ -61,11 +62,11 @@ def parse_offload_faults(text: str) -> Rules:
 class FaultConfig:
     """Faults injected by the test suite (none by default)."""
 
-    checkpoint_fault: Rules = knob((), env=CHECKPOINT_ENV, parse=parse_checkpoint_faults,
+    checkpoint_fault: Rules = knob([], env=CHECKPOINT_ENV, parse=parse_checkpoint_faults,
                                    metavar="RULES")
     """Checkpoint faults, ``enospc:ITERATION`` joined by ';' (see runtime/faults.py)."""
 
-    offload_fault: Rules = knob((), env=OFFLOAD_ENV, parse=parse_offload_faults,
+    offload_fault: Rules = knob([], env=OFFLOAD_ENV, parse=parse_offload_faults,
                                 metavar="RULES")
     """Offload engine faults: kill-in-flush:STEP, corrupt-after-flush:STEP, enospc:PATH,
     slow:PATH:FACTOR:STEP, vanish:PATH:STEP, joined by ';' (see runtime/faults.py)."""

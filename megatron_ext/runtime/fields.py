@@ -8,6 +8,7 @@ the class source, so ``--help`` and the docs come from one place and cannot drif
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import inspect
@@ -75,7 +76,7 @@ def knob(default: Any = None, *, env: str, parse: Callable[[str], Any],
     def from_environ() -> Any:
         text = os.environ.get(env, "").strip()
         if not text:
-            return default
+            return copy.deepcopy(default)  # a list default is not shared between configs
         try:
             return parse(text)
         except UsageError:
