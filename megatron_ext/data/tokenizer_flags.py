@@ -27,17 +27,32 @@ MODEL_FILE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llam
 BPE_FILE_TYPES = ("GPT2BPETokenizer",)
 TIKTOKEN_PATTERN_NAMES = ("v1", "v2")
 
-# Flag -> (its field, the types whose Megatron-LM tokenizer reads it). No type (None) is
-# NullTokenizer here (a vocabulary from --vocab-size). Each type here reads what it reads
-# there, except HuggingFaceTokenizer's --vocab-file/--merge-file (megatron-core passes them
-# to transformers): refused, see check_tokenizer_flags.
+# Flag -> (its field, the types whose Megatron-LM tokenizer reads it, the types whose
+# tokenizer here reads it). No type (None) is NullTokenizer here (a vocabulary from
+# --vocab-size). A type of the second tuple that is not in the third is refused (Megatron-LM
+# would use the flag, this project would not); one in neither ignores the flag.
+_SPECIAL_READERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                    "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer")
 READERS = {
-    "--tokenizer-model": ("tokenizer_model", MODEL_FILE_TYPES),
-    "--vocab-file": ("vocab_file", ("GPT2BPETokenizer", "HuggingFaceTokenizer")),
-    "--merge-file": ("merge_file", ("GPT2BPETokenizer", "HuggingFaceTokenizer")),
-    "--vocab-size": ("vocab_size", ("NullTokenizer", None, "TikTokenizer")),
-    "--tiktoken-pattern": ("tiktoken_pattern", ("TikTokenizer",)),
-    "--vocab-extra-ids": ("vocab_extra_ids", ("SentencePieceTokenizer",)),
+    "--tokenizer-model": ("tokenizer_model", MODEL_FILE_TYPES, MODEL_FILE_TYPES),
+    # megatron-core hands them to transformers with HuggingFaceTokenizer.
+    "--vocab-file": ("vocab_file", ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
+                     BPE_FILE_TYPES),
+    "--merge-file": ("merge_file", ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
+                     BPE_FILE_TYPES),
+    "--vocab-size": ("vocab_size", ("NullTokenizer", None, "TikTokenizer"),
+                     ("NullTokenizer", None, "TikTokenizer")),
+    "--tiktoken-pattern": ("tiktoken_pattern", ("TikTokenizer",), ("TikTokenizer",)),
+    "--vocab-extra-ids": ("vocab_extra_ids", ("SentencePieceTokenizer",),
+                          ("SentencePieceTokenizer",)),
+    "--tokenizer-special-tokens": ("tokenizer_special_tokens", _SPECIAL_READERS,
+                                   ("TikTokenizer",)),
+    "--tiktoken-special-tokens": ("tiktoken_special_tokens", _SPECIAL_READERS,
+                                  ("TikTokenizer",)),
+    # megatron-core's GPT2BPETokenizer goes through transformers too.
+    "--tokenizer-hf-include-special-tokens": ("tokenizer_hf_include_special_tokens",
+                                              ("HuggingFaceTokenizer", "GPT2BPETokenizer"),
+                                              ("HuggingFaceTokenizer",)),
 }
 
 
@@ -55,10 +70,15 @@ def ignored_tokenizer_flags(args) -> List[str]:
     """
     kind = args.tokenizer_type
     name = kind or "NullTokenizer"
-    return [f"{flag} {getattr(args, field)}: not read by --tokenizer-type {name}; ignored, as "
-            "Megatron-LM ignores it"
-            for flag, (field, readers) in READERS.items()
-            if _given(args, field) and kind not in readers]
+    lines = []
+    for flag, (field, megatron_readers, _) in READERS.items():
+        if _given(args, field) and kind not in megatron_readers:
+            value = getattr(args, field)
+            shown = "" if value is True else " " + (" ".join(value) if isinstance(value, list)
+                                                    else str(value))
+            lines.append(f"{flag}{shown}: not read by --tokenizer-type {name}; ignored, as "
+                         "Megatron-LM ignores it")
+    return lines
 
 
 def check_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
@@ -86,21 +106,16 @@ def check_tokenizer_flags(args) -> None:
     if kind in BPE_FILE_TYPES:
         check_file(getattr(args, "vocab_file", None), "--vocab-file", kind)
         check_file(getattr(args, "merge_file", None), "--merge-file", kind)
-    elif kind == "HuggingFaceTokenizer" and (_given(args, "vocab_file")
-                                             or _given(args, "merge_file")):
-        raise UsageError("--vocab-file/--merge-file with --tokenizer-type HuggingFaceTokenizer: "
-                         "Megatron-LM hands them to transformers, which is not done here; "
-                         "give the tokenizer's directory (or tokenizer.json) as "
-                         "--tokenizer-model")
     if kind == "TikTokenizer" and getattr(args, "tiktoken_pattern", None) not in \
             TIKTOKEN_PATTERN_NAMES:
         raise UsageError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
-    if _given(args, "tokenizer_hf_include_special_tokens") and kind != "HuggingFaceTokenizer":
-        raise UsageError("--tokenizer-hf-include-special-tokens is read by --tokenizer-type "
-                         f"HuggingFaceTokenizer only, not {name}")
-    if special_tokens(args) and kind != "TikTokenizer":
-        raise UsageError("--tokenizer-special-tokens / --tiktoken-special-tokens are read by "
-                         f"--tokenizer-type TikTokenizer only here, not {name}")
+    for flag, (field, megatron_readers, readers) in READERS.items():
+        if _given(args, field) and kind in megatron_readers and kind not in readers:
+            hint = (": give the tokenizer's directory (or tokenizer.json) as --tokenizer-model"
+                    if field in ("vocab_file", "merge_file") else "")
+            raise UsageError(f"{flag} with --tokenizer-type {name}: Megatron-LM's tokenizer "
+                             f"reads it, this project's does not (read here by "
+                             f"{', '.join(str(t) for t in readers if t)} only){hint}")
 
 
 def special_tokens(args) -> Optional[List[str]]:
