@@ -97,6 +97,15 @@ def saved_settings(common: dict) -> Optional[Dict[str, Any]]:
     return values or None
 
 
+def shown(value) -> str:
+    """A setting's value as a message shows it: "not given" for None, on/off for a switch."""
+    if value is None:
+        return "not given"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def differences(saved: Dict[str, Any], model_cfg, padded_vocab: Optional[int],
                 shape_only: bool = True) -> List[str]:
     """'--flag SAVED (this run: NOW)' for each setting that differs. Pure."""
@@ -108,7 +117,8 @@ def differences(saved: Dict[str, Any], model_cfg, padded_vocab: Optional[int],
             if s.field == "num_query_groups" and not (saved.get("group_query_attention")
                                                      or model_cfg.group_query_attention):
                 continue  # without GQA the group count is unused
-            out.append(f"{s.flag} {saved[s.field]} (this run: {getattr(model_cfg, s.field)})")
+            out.append(f"{s.flag} {shown(saved[s.field])} (this run: "
+                       f"{shown(getattr(model_cfg, s.field))})")
     if padded_vocab is not None and saved.get("padded_vocab_size") not in (None, padded_vocab):
         out.append(f"padded vocabulary {saved['padded_vocab_size']} (this run: {padded_vocab}; "
                    "--vocab-size / --tokenizer-model, --make-vocab-size-divisible-by)")

@@ -7,6 +7,7 @@ checkpoints) counted iterations. A schedule that differs from the flags' is refu
 
 from __future__ import annotations
 
+from megatron_ext.checkpoint.checkpoint_args import shown
 from megatron_ext.errors import UsageError
 
 # The schedule values megatron-core's OptimizerParamScheduler checks at load, with the
@@ -26,8 +27,8 @@ def schedule_differences(saved: dict, scheduler) -> list:
     out = []
     for key, flag in _SCHEDULE:
         if key in saved and saved[key] != getattr(scheduler, key, saved[key]):
-            out.append(f"{key} ({flag}) {saved[key]} in the checkpoint, {getattr(scheduler, key)} "
-                       "from the flags")
+            out.append(f"{key} ({flag}) {shown(saved[key])} in the checkpoint, "
+                       f"{shown(getattr(scheduler, key))} from the flags")
     return out
 
 

@@ -6,6 +6,7 @@ The conventions of every section are in :mod:`megatron_ext.config`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import List, Optional
 
 from megatron_ext.config.checks import output_path, positive
@@ -21,7 +22,9 @@ class DataConfig:
     """One or more dataset prefixes (PREFIX.bin / PREFIX.idx from tools/preprocess_data.py),
     each optionally preceded by its sampling weight: '0.7 a_text_document 0.3 b_text_document'."""
     split: str = "969,30,1"
-    """Comma-separated proportions of train, validation and test documents."""
+    """Proportions of train, validation and test documents: up to three numbers, read as
+    megatron-core reads them (the numbers in the text: 99,1,0 or 99/1/0, and '99,1,0' with
+    the quotes a launch script may pass through); a missing part is 0."""
     mock_data: bool = False
     """Train on megatron-core's synthetic MockGPTDataset instead of --data-path (smoke runs;
     the vocabulary comes from --vocab-size or the tokenizer)."""
@@ -36,7 +39,11 @@ class DataConfig:
     every text; EOD </s>), HuggingFaceTokenizer (--tokenizer-model a local directory or
     tokenizer.json; EOD its eos token), TikTokenizer (--tokenizer-model a tiktoken JSON
     vocabulary, --tiktoken-pattern; EOD </s>), or NullTokenizer (ids as they are,
-    --vocab-size)."""
+    --vocab-size). Not given: GPT2BPETokenizer when --vocab-file or --merge-file is given
+    (Megatron-LM's pretrain_gpt.py default), else NullTokenizer with --vocab-size. A
+    tokenizer flag the type does not read (--vocab-size, --tokenizer-model, --vocab-file,
+    --merge-file, --tiktoken-pattern, --vocab-extra-ids) is ignored, as Megatron-LM ignores
+    it, with one log line."""
     tokenizer_model: Optional[str] = None
     """The tokenizer's file: a SentencePiece .model (SentencePieceTokenizer,
     GPTSentencePieceTokenizer, Llama2Tokenizer), a Hugging Face tokenizer directory or
@@ -78,9 +85,47 @@ class DataConfig:
     choice, a folder PREFIX/cache beside each data prefix)."""
 
     def __post_init__(self):
+        if self.tokenizer_type is None and (self.vocab_file or self.merge_file):
+            # Megatron-LM's pretrain_gpt.py: args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}.
+            self.tokenizer_type = "GPT2BPETokenizer"
+        split_shares(self.split)
         positive(self, "vocab_size", "tiktoken_num_special_tokens")
         if self.vocab_extra_ids < 0:
             raise UsageError("--vocab-extra-ids must be >= 0")
         if self.num_workers < 0:
             raise UsageError("--num-workers must be >= 0")
         output_path("--data-cache-path", self.data_cache_path)
+
+
+# Characters megatron-core's split parser skips without changing the meaning: separators,
+# spaces, and the quotes a launch script passes through ("--split '99,1,0'" inside a
+# double-quoted bash array element reaches the program with its single quotes).
+_SPLIT_SKIPPED = re.compile(r"[\s,/'\"]")
+
+
+def split_shares(split: str) -> List[float]:
+    """The train, validation and test proportions of ``--split``, as megatron-core reads them.
+
+    megatron-core's ``parse_and_normalize_split`` takes the numbers it finds in the text
+    (``re.findall(r"[.0-9]+", split)``) and pads them to three with zeros. The same here,
+    except that text it would misread is refused: any character but digits, '.',
+    separators and quotes (a minus sign would be dropped: "-1,1,0" read as 1,1,0).
+
+    Returns:
+        The three proportions, not normalized.
+
+    Raises:
+        UsageError: not up to three non-negative numbers, or all of them zero.
+    """
+    example = "give up to three non-negative numbers such as 969,30,1"
+    stray = sorted(set(_SPLIT_SKIPPED.sub("", re.sub(r"[.0-9]+", "", split))))
+    if stray:
+        raise UsageError(f"--split {split!r}: {''.join(stray)!r} is not part of a split "
+                         f"(megatron-core would skip it); {example}")
+    try:
+        shares = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    except ValueError:
+        raise UsageError(f"--split {split!r}: not a list of numbers; {example}") from None
+    if not shares or len(shares) > 3 or sum(shares) <= 0:
+        raise UsageError(f"--split {split!r}: {example} (not all zero)")
+    return shares + [0.0] * (3 - len(shares))

@@ -1,8 +1,9 @@
 """Markdown tables of every flag, generated from the config dataclasses.
 
 ``python -m megatron_ext.config.docs`` prints them; ``docs/flags.md`` holds the same text
-between its ``flags:begin``/``flags:end`` markers, and a test keeps the two equal.
-``python -m megatron_ext.config.docs --write`` rewrites that section of docs/flags.md.
+between its ``flags:begin``/``flags:end`` markers, and the README the refused-flags table
+between its ``refused-flags:begin``/``refused-flags:end`` markers; a test keeps them equal.
+``python -m megatron_ext.config.docs --write`` rewrites both sections.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext.config.cli import build_parser, config_sections
-from megatron_ext.config.megatron_compat import MEGATRON_LM, REFUSED, REFUSED_PREFIXES
+from megatron_ext.config.megatron_compat import MEGATRON_LM, refused_groups
 from megatron_ext.runtime.fields import field_docs
 
 # The page that holds the tables between these markers (a test keeps them equal to the code).
 FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 BEGIN, END = "<!-- flags:begin -->\n", "<!-- flags:end -->"
+# The README's table of the Megatron-LM flags refused, between these markers.
+README = Path(__file__).resolve().parents[2] / "README.md"
+REFUSED_BEGIN, REFUSED_END = "<!-- refused-flags:begin -->\n", "<!-- refused-flags:end -->"
 
 
 def flags_markdown() -> str:
@@ -55,11 +59,18 @@ def flags_markdown() -> str:
         lines.append("")
     lines += knobs_markdown()
     lines += ["#### Megatron-LM flags refused", "",
-              "Each gives one line `error: FLAG: why` and exit status 2.", "",
-              "| flag | why |", "|---|---|"]
-    lines += [f"| `{flag}` | {why} |" for flag, why in sorted(REFUSED.items())]
-    lines += [f"| `{prefix}*` | {why} |" for prefix, why in sorted(REFUSED_PREFIXES.items())]
+              "Each gives one line `error: FLAG: why` (`error: FLAG VALUE: why` for a refused "
+              "value) and exit status 2.", "", *refused_markdown()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def refused_markdown() -> list:
+    """The table of refused Megatron-LM flags (megatron_compat's rows), one row per reason."""
+    rows = ["| flags | why |", "|---|---|"]
+    for flags, why in refused_groups():
+        names = ", ".join(f"`{flag}`" for flag in flags)
+        rows.append(f"| {names} | {why.replace('|', chr(92) + '|')} |")
+    return rows
 
 
 def knobs_markdown() -> list:
@@ -80,6 +91,16 @@ def knobs_markdown() -> list:
             "| flag | variable | meaning |", "|---|---|---|", *rows, ""]
 
 
+def _write_section(path: Path, begin: str, end: str, text: str) -> bool:
+    page = path.read_text()
+    start, stop = page.index(begin) + len(begin), page.index(end)
+    new_page = page[:start] + text + page[stop:]
+    if new_page == page:
+        return False
+    path.write_text(new_page)
+    return True
+
+
 def write_flags_page(path: Optional[Path] = None) -> bool:
     """Rewrites the section between the markers of ``path`` with :func:`flags_markdown`.
 
@@ -89,29 +110,38 @@ def write_flags_page(path: Optional[Path] = None) -> bool:
     Returns:
         Whether the page changed.
     """
-    path = FLAGS_PAGE if path is None else path
-    page = path.read_text()
-    start, stop = page.index(BEGIN) + len(BEGIN), page.index(END)
-    new_page = page[:start] + flags_markdown() + page[stop:]
-    if new_page == page:
-        return False
-    path.write_text(new_page)
-    return True
+    return _write_section(FLAGS_PAGE if path is None else path, BEGIN, END, flags_markdown())
+
+
+def write_readme_table(path: Optional[Path] = None) -> bool:
+    """Rewrites the README's refused-flags table (between its markers) from the table.
+
+    Args:
+        path: The page holding the ``refused-flags`` markers; ``README`` when None.
+
+    Returns:
+        Whether the page changed.
+    """
+    text = "\n".join(refused_markdown()) + "\n"
+    return _write_section(README if path is None else path, REFUSED_BEGIN, REFUSED_END, text)
 
 
 def main(argv=None) -> None:
-    """Prints the flag tables, or with ``--write`` rewrites them in docs/flags.md."""
+    """Prints the flag tables, or with ``--write`` rewrites them in docs/flags.md and README."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron_ext.config.docs",
-        description="Print the flag tables (markdown), or rewrite them in docs/flags.md.")
+        description="Print the flag tables (markdown), or rewrite them in docs/flags.md and "
+                    "the README's refused-flags table.")
     parser.add_argument("--write", action="store_true",
-                        help="rewrite the section between the flags markers of docs/flags.md")
+                        help="rewrite the section between the flags markers of docs/flags.md "
+                             "and the refused-flags table of README.md")
     args = parser.parse_args(argv)
     if not args.write:
         print(flags_markdown(), end="")
         return
-    changed = write_flags_page()
-    print(f"docs/flags.md: {'rewritten' if changed else 'already up to date'}")
+    for name, changed in (("docs/flags.md", write_flags_page()),
+                          ("README.md", write_readme_table())):
+        print(f"{name}: {'rewritten' if changed else 'already up to date'}")
 
 
 if __name__ == "__main__":

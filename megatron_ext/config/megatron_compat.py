@@ -6,13 +6,16 @@ in this table and refused in one line that names it and says why. A flag that is
 neither is unknown: argparse's error, shortened to one line with a "did you mean" hint.
 
 The table is data: each helper or lane that implements a flag removes its row (or adds
-its own refusals) without touching the code below.
+its own refusals) without touching the code below. The same rows make the refused-flags
+tables of docs/flags.md and the README (``python -m megatron_ext.config.docs --write``),
+and tests/functional/test_megatron_scripts.py runs Megatron-LM's example scripts against
+them.
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 _MOE = ("mixture-of-experts (MoE) is not supported here: megatron-core's MoE layers need "
         "Transformer Engine / grouped-GEMM kernels this project does not wire; train a dense "
@@ -20,6 +23,11 @@ _MOE = ("mixture-of-experts (MoE) is not supported here: megatron-core's MoE lay
 _FP8 = ("FP8 is not supported here: it needs Transformer Engine's FP8 recipes, which this "
         "project does not wire; train with --bf16")
 _FP4 = "FP4 is not supported here: it needs Transformer Engine; train with --bf16"
+_FSDP = ("Megatron FSDP is not supported here: its sharded parameters are not what the "
+         "offload and ZenFlow engines take; shard the optimizer states with "
+         "--use-distributed-optimizer (drop the FSDP flags)")
+_CP = ("context parallelism is not supported (it needs Transformer Engine's attention, which "
+       "this project does not wire); use 1")
 
 # Exact flag -> why it is refused.
 REFUSED = {
@@ -31,6 +39,18 @@ REFUSED = {
     "--first-last-layers-bf16": _FP8,
     "--num-layers-at-start-in-bf16": _FP8,
     "--num-layers-at-end-in-bf16": _FP8,
+    "--use-megatron-fsdp": _FSDP,
+    "--data-parallel-sharding-strategy": _FSDP,
+    "--outer-dp-sharding-strategy": _FSDP,
+    "--init-model-with-meta-device": ("building the model on the meta device is not wired "
+                                      "here (it is built on its device); drop the flag"),
+    "--use-nccl-ub": ("NCCL user-buffer registration of the data-parallel buffers is not "
+                      "wired here; drop the flag"),
+    # Megatron-LM core_v0.19.0's gpt3 example gives it; megatron-core 0.16.1 has no such
+    # schedule (and Megatron-LM refuses it next to --global-batch-size, as that script has).
+    "--step-batch-size-schedule": ("a Megatron-LM core_v0.19.0 flag, not in core_v0.16.1 "
+                                   "whose flags this project keeps: ramp the batch with "
+                                   "--rampup-batch-size START INCR SAMPLES and --train-samples"),
 }
 
 # Flag prefix -> why every flag starting with it is refused.
@@ -38,7 +58,33 @@ REFUSED_PREFIXES = {
     "--moe-": _MOE,
     "--fp8-": _FP8,
     "--fp4-": _FP4,
+    "--fsdp-": _FSDP,
+    "--megatron-fsdp-": _FSDP,
 }
+
+# Accepted flag -> (its values that are supported, why any other value is refused). The
+# parser knows these flags; only these values of them are refused, in the same one line.
+REFUSED_VALUES: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "--context-parallel-size": (("1",), _CP),
+    "--ckpt-format": (("torch_dist",), "only torch_dist (megatron-core dist_checkpointing) is "
+                                       "supported; use torch_dist"),
+}
+
+
+def value_refusal(flag: str, value) -> Optional[str]:
+    """The one-line message refusing ``flag value``, or None when that value is supported.
+
+    Args:
+        flag: A flag of :data:`REFUSED_VALUES` (any other flag: None).
+        value: Its value as given (a string, or the parsed number).
+    """
+    if flag not in REFUSED_VALUES:
+        return None
+    supported, reason = REFUSED_VALUES[flag]
+    text = str(value).strip()
+    if text in supported or (text.lstrip("+").isdigit() and str(int(text)) in supported):
+        return None
+    return f"{flag} {text}: {reason}"
 
 
 def refusal(flag: str) -> Optional[str]:
@@ -53,15 +99,37 @@ def refusal(flag: str) -> Optional[str]:
 
 
 def first_refused(argv: Sequence[str]) -> Optional[str]:
-    """The one-line message for the first refused flag of ``argv``, or None."""
-    for arg in argv:
+    """The one-line message for the first refused flag (or flag value) of ``argv``, or None."""
+    for i, arg in enumerate(argv):
         if arg == "--":
             break
-        if arg.startswith("--"):
-            reason = refusal(arg)
-            if reason:
-                return f"{arg.split('=', 1)[0]}: {reason}"
+        if not arg.startswith("--"):
+            continue
+        reason = refusal(arg)
+        if reason:
+            return f"{arg.split('=', 1)[0]}: {reason}"
+        name, eq, value = arg.partition("=")
+        if name in REFUSED_VALUES and (eq or i + 1 < len(argv)):
+            message = value_refusal(name, value if eq else argv[i + 1])
+            if message:
+                return message
     return None
+
+
+def refused_groups() -> List[Tuple[List[str], str]]:
+    """The refusals grouped by reason: ``[(flags, why)]``, in the table's order.
+
+    Prefixes appear as ``--moe-*``, refused values as ``--context-parallel-size`` followed
+    by ``(other than 1)``.
+    """
+    groups: Dict[str, List[str]] = {}
+    for flag, why in REFUSED.items():
+        groups.setdefault(why, []).append(flag)
+    for prefix, why in REFUSED_PREFIXES.items():
+        groups.setdefault(why, []).append(prefix + "*")
+    for flag, (supported, why) in REFUSED_VALUES.items():
+        groups.setdefault(why, []).append(f"{flag} (other than {', '.join(supported)})")
+    return [(flags, why) for why, flags in groups.items()]
 
 
 def did_you_mean(flag: str, known: Iterable[str]) -> str:
@@ -74,6 +142,8 @@ def did_you_mean(flag: str, known: Iterable[str]) -> str:
 # Flags that Megatron-LM has too, and what differs here ("" = as Megatron-LM: same name,
 # meaning and default). A flag of the parser that is in neither table is this project's.
 SAME = ""
+_UNREAD = ("as Megatron-LM; where the --tokenizer-type does not read it, ignored as there, "
+           "with one log line")
 MEGATRON_LM = {
     **{flag: SAME for flag in """
 --num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length
@@ -94,7 +164,7 @@ MEGATRON_LM = {
 --lr-warmup-init --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples
 --weight-decay --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum --clip-grad
 --optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
---data-path --split --mock-data --tokenizer-model --vocab-size --eod-mask-loss --num-workers
+--data-path --mock-data --eod-mask-loss --num-workers
 --no-mmap-bin-files --data-cache-path --load --finetune --no-load-optim --no-load-rng
 --dist-ckpt-strictness --wandb-project --wandb-exp-name --wandb-save-dir --log-params-norm
 --log-num-zeros-in-grad --timing-log-level --profile --profile-step-start --profile-step-end
@@ -118,11 +188,19 @@ MEGATRON_LM = {
                                                 "construction): same math either way",
     "--use-mcore-models": "deprecated and ignored there too: always megatron-core's GPTModel",
     "--context-parallel-size": "only 1 (needs Transformer Engine's attention)",
+    **{flag: _UNREAD for flag in """
+--tokenizer-model --vocab-size --vocab-file --merge-file --tiktoken-pattern --vocab-extra-ids
+""".split()},
+    "--split": "as megatron-core reads it (the numbers in the text, so '99,1,0' with its "
+               "quotes is 99,1,0); characters it would silently drop, such as a minus "
+               "sign, are refused",
     "--distributed-backend": "gloo with --device cpu; nccl only on GPUs",
     "--ckpt-format": "torch_dist only (the default there)",
     "--save": "--save-interval is optional: without it, saves at the end of training",
     "--save-interval": "optional with --save (required there)",
     "--log-throughput": "TFLOP/s from the 6N estimate, not Megatron-LM's per-layer FLOP count",
-    "--tokenizer-type": "SentencePiece and NullTokenizer types only",
+    "--tokenizer-type": "not given: GPT2BPETokenizer with --vocab-file / --merge-file "
+                        "(pretrain_gpt.py's default there), else NullTokenizer with "
+                        "--vocab-size; no BERT, multimodal or SFT types",
     "--profile-dir": "this project's: torch.profiler tables and traces",
 }

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_ext.config.checks import positive, required
+from megatron_ext.config.megatron_compat import value_refusal
 from megatron_ext.errors import UsageError
 from megatron_ext.runtime.fields import option
 
@@ -220,10 +221,9 @@ class ParallelConfig:
         positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "ddp_bucket_size", "distributed_timeout_minutes", "context_parallel_size",
                   "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
-        if self.context_parallel_size != 1:
-            raise UsageError(f"--context-parallel-size {self.context_parallel_size}: context "
-                             "parallelism is not supported (it needs Transformer Engine's "
-                             "attention, which this project does not wire); use 1")
+        refused = value_refusal("--context-parallel-size", self.context_parallel_size)
+        if refused:
+            raise UsageError(refused)
         if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
             raise UsageError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
                              "are exclusive; choose one")

@@ -9,6 +9,7 @@ import dataclasses
 from typing import List, Optional
 
 from megatron_ext.config.checks import output_path, positive
+from megatron_ext.config.megatron_compat import value_refusal
 from megatron_ext.errors import UsageError
 from megatron_ext.runtime.fields import option
 
@@ -61,9 +62,9 @@ class CheckpointConfig:
     def __post_init__(self):
         positive(self, "save_interval")
         output_path("--save", self.save)
-        if self.ckpt_format != "torch_dist":
-            raise UsageError(f"--ckpt-format {self.ckpt_format}: only torch_dist "
-                             "(megatron-core dist_checkpointing) is supported; use torch_dist")
+        refused = value_refusal("--ckpt-format", self.ckpt_format)
+        if refused:
+            raise UsageError(refused)
         if self.dist_ckpt_strictness.startswith("return_"):
             raise UsageError(f"--dist-ckpt-strictness {self.dist_ckpt_strictness}: nothing "
                              "here reads the returned key lists; use log_all or raise_all")

@@ -10,6 +10,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from megatron_ext.config.data import split_shares
 from megatron_ext.data.data_path import parse_data_path
 from megatron_ext.errors import UsageError
 from megatron_ext.runtime.batch_schedule import train_samples_total
@@ -149,8 +150,7 @@ def check_split_sizes(split: str, lengths_per_prefix: List[Tuple[str, np.ndarray
 
 
 def _split_parts(split: str) -> List[str]:
-    parts = split.replace("/", ",").split(",")
-    return (parts + ["0"] * 3)[:3]
+    return [f"{share:g}" for share in split_shares(split)]
 
 
 def _dataset_config(cfg, tokenizer, dp_size: int):
@@ -191,7 +191,6 @@ def build_datasets(cfg, runtime, tokenizer) -> Tuple:
     if data.data_path:
         for _, prefix in parse_data_path(data.data_path):
             check_data_prefix(prefix, tokenizer.vocab_size)
-        _check_split(data.split)
         check_split_sizes(data.split, [
             (prefix, read_index(prefix, _index_dtype(prefix))[0])
             for _, prefix in parse_data_path(data.data_path)])
@@ -219,16 +218,6 @@ def _index_dtype(prefix: str) -> np.dtype:
     with open(prefix + ".idx", "rb") as stream:
         stream.seek(17)
         return np.dtype(DType.dtype_from_code(stream.read(1)[0]))
-
-
-def _check_split(split: str) -> None:
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        raise UsageError(f"--split {split!r}: expected comma-separated numbers such as 969,30,1")
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise UsageError(f"--split {split!r}: give up to three non-negative numbers that do not "
-                         "sum to zero")
 
 
 class PretrainingSampler:

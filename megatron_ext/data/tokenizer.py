@@ -40,17 +40,23 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from megatron_ext.data.tokenizer_flags import (  # noqa: F401 (the names' old home)
+    BPE_FILE_TYPES,
+    MODEL_FILE_TYPES,
+    TIKTOKEN_PATTERN_NAMES,
+    TOKENIZER_TYPES,
+    check_file,
+    check_tokenizer_flags,
+    ignored_tokenizer_flags,
+    special_tokens,
+)
 from megatron_ext.errors import UsageError
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer")
-# Types that load --tokenizer-model, and the ones that load --vocab-file/--merge-file.
-MODEL_FILE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                    "HuggingFaceTokenizer", "TikTokenizer")
-BPE_FILE_TYPES = ("GPT2BPETokenizer",)
+log = logging.getLogger("megatron_ext")
 
 # The pre-tokenization patterns of Megatron-LM's TikTokenizer (--tiktoken-pattern v1 / v2).
 TIKTOKEN_PATTERNS = {
@@ -61,16 +67,6 @@ TIKTOKEN_PATTERNS = {
 }
 TIKTOKEN_REQUIRED_SPECIALS = ("<unk>", "<s>", "</s>")
 TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17
-
-
-def _check_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
-    if not path:
-        raise UsageError(f"--tokenizer-type {tokenizer_type} needs {flag}")
-    if not os.path.exists(path):
-        what = ("no such tokenizer directory or tokenizer.json"
-                if tokenizer_type == "HuggingFaceTokenizer" else "file not found")
-        raise UsageError(f"{flag} {path}: {what}")
-    return path
 
 
 class _Tokenizer:
@@ -470,51 +466,6 @@ class NullTokenizer(_Tokenizer):
         return " ".join(str(i) for i in ids)
 
 
-def check_tokenizer_flags(args) -> None:
-    """One-line errors for tokenizer flags that do not fit ``--tokenizer-type``.
-
-    ``args`` has the tokenizer fields of :class:`megatron_ext.config.data.DataConfig`
-    (pretrain_gpt.py's config, or tools/preprocess_data.py's namespace).
-    """
-    kind = args.tokenizer_type
-    model = getattr(args, "tokenizer_model", None)
-    vocab_file = getattr(args, "vocab_file", None)
-    merge_file = getattr(args, "merge_file", None)
-    if kind in MODEL_FILE_TYPES:
-        _check_file(model, "--tokenizer-model", kind)
-    elif model:
-        raise UsageError(f"--tokenizer-model is not read by --tokenizer-type {kind}; give "
-                         f"one of {', '.join(MODEL_FILE_TYPES)}")
-    if kind in BPE_FILE_TYPES:
-        _check_file(vocab_file, "--vocab-file", kind)
-        _check_file(merge_file, "--merge-file", kind)
-    elif vocab_file or merge_file:
-        raise UsageError(f"--vocab-file/--merge-file are read by --tokenizer-type "
-                         f"GPT2BPETokenizer only, not {kind}")
-    if kind == "TikTokenizer":
-        if getattr(args, "tiktoken_pattern", None) not in TIKTOKEN_PATTERNS:
-            raise UsageError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
-    elif getattr(args, "tiktoken_pattern", None):
-        raise UsageError("--tiktoken-pattern is read by --tokenizer-type TikTokenizer only")
-    if getattr(args, "vocab_extra_ids", 0) and kind != "SentencePieceTokenizer":
-        raise UsageError(f"--vocab-extra-ids is read by --tokenizer-type "
-                         f"SentencePieceTokenizer only, not {kind}")
-    if getattr(args, "tokenizer_hf_include_special_tokens", False) and \
-            kind != "HuggingFaceTokenizer":
-        raise UsageError("--tokenizer-hf-include-special-tokens is read by --tokenizer-type "
-                         f"HuggingFaceTokenizer only, not {kind}")
-    if _special_tokens(args) and kind != "TikTokenizer":
-        raise UsageError("--tokenizer-special-tokens / --tiktoken-special-tokens are read by "
-                         "--tokenizer-type TikTokenizer only")
-
-
-def _special_tokens(args) -> Optional[List[str]]:
-    # Megatron-LM: --tiktoken-special-tokens is the deprecated spelling, used when
-    # --tokenizer-special-tokens is not given.
-    return (getattr(args, "tokenizer_special_tokens", None)
-            or getattr(args, "tiktoken_special_tokens", None))
-
-
 def build_tokenizer(args):
     """The tokenizer named by ``args.tokenizer_type`` (see the module's table).
 
@@ -523,6 +474,8 @@ def build_tokenizer(args):
     """
     kind = args.tokenizer_type
     check_tokenizer_flags(args)
+    for line in ignored_tokenizer_flags(args):
+        log.info(line)
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
     if kind == "SentencePieceTokenizer":
@@ -536,7 +489,7 @@ def build_tokenizer(args):
     if kind == "TikTokenizer":
         return TikTokenizer(args.tokenizer_model, args.tiktoken_pattern, args.vocab_size,
                             getattr(args, "tiktoken_num_special_tokens", 1000),
-                            _special_tokens(args))
+                            special_tokens(args))
     if kind in (None, "NullTokenizer"):
         if args.vocab_size is None:
             raise UsageError("no vocabulary: give --tokenizer-type and its files, or "

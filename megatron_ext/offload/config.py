@@ -179,6 +179,10 @@ class OffloadConfig:
                                      "directory: give each path once (two entries would split "
                                      "its bandwidth)")
                 seen[real] = path
+                if os.path.exists(path) and not os.path.isdir(path):
+                    raise UsageError(f"--offload-paths {path}: is a file, not a directory; give "
+                                     "a directory (each job writes in its own subdirectory "
+                                     "there)")
                 if not os.path.isdir(path):
                     raise UsageError(f"--offload-paths {path}: no such directory; create it (each "
                                      "job writes in its own subdirectory there)")

@@ -336,16 +336,17 @@ FLAG_CASES = {
         "llama-tokenizer: no such tokenizer directory or tokenizer.json"),
     "tiktoken without its pattern": (lambda d: tokenizer("TikTokenizer", f"{d}/afile"),
                                      "--tokenizer-type TikTokenizer needs --tiktoken-pattern"),
-    "tokenizer model for the null tokenizer": (
-        lambda d: null_data("corpus") + ["--tokenizer-model", f"{d}/afile"],
-        "--tokenizer-model is not read by --tokenizer-type NullTokenizer"),
-    "bpe files for sentencepiece": (
-        lambda d: [*tokenizer("SentencePieceTokenizer", f"{d}/afile"), "--vocab-file",
-                   f"{d}/afile"],
-        "--vocab-file/--merge-file are read by --tokenizer-type GPT2BPETokenizer only"),
-    "extra ids for the null tokenizer": (
-        lambda d: null_data("corpus") + ["--vocab-extra-ids", "3"],
-        "--vocab-extra-ids is read by --tokenizer-type SentencePieceTokenizer only"),
+    # Tokenizer flags Megatron-LM's tokenizer of the type reads and this project's does not
+    # (a flag no tokenizer of the type reads is ignored there and here, with a log line:
+    # tests/unit/data/test_tokenizer_flags.py).
+    "bpe files for hugging face": (
+        lambda d: [*tokenizer("HuggingFaceTokenizer", f"{d}"), "--vocab-file", f"{d}/afile"],
+        "--vocab-file with --tokenizer-type HuggingFaceTokenizer: Megatron-LM's tokenizer "
+        "reads it, this project's does not"),
+    "special tokens for sentencepiece": (
+        lambda d: [*tokenizer("SentencePieceTokenizer", f"{d}/afile"),
+                   "--tokenizer-special-tokens", "<x>"],
+        "--tokenizer-special-tokens with --tokenizer-type SentencePieceTokenizer"),
     # Output paths the run could not create when it gets there.
     "save is a file": (lambda d: MOCK + ["--save", f"{d}/afile"],
                        "--save {d}/afile: is a file; give a directory"),

@@ -145,11 +145,14 @@ CASES = {
                             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                             "{t}/empty"],
         "--tokenizer-model {t}/empty: a directory, not a SentencePiece .model file"),
-    "preprocess_data extra ids for the null tokenizer": (
+    # --vocab-extra-ids with NullTokenizer is ignored (as Megatron-LM): special tokens are
+    # read by Megatron-LM's GPT-2 BPE tokenizer and not by this project's.
+    "preprocess_data special tokens for gpt2": (
         "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
-                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
-                            "--vocab-extra-ids", "2"],
-        "--vocab-extra-ids is read by --tokenizer-type SentencePieceTokenizer only"),
+                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                            "{t}/texts.jsonl", "--merge-file", "{t}/texts.jsonl",
+                            "--tokenizer-special-tokens", "<x>"],
+        "--tokenizer-special-tokens with --tokenizer-type GPT2BPETokenizer"),
     "preprocess_data output under a file": (
         "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/afile/ds",
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],

@@ -381,9 +381,11 @@ def test_malformed_line_fails_with_file_and_line(tmp_path, tiny_tokenizer, lines
     (["--partitions", "0"], "--partitions: must be >= 1"),
     (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-extra-ids", "2"],
      "--vocab-extra-ids needs --legacy-tokenizer"),
-    (["--tokenizer-hf-include-special-tokens"],
-     "--tokenizer-hf-include-special-tokens is read by --tokenizer-type HuggingFaceTokenizer "
-     "only, not GPTSentencePieceTokenizer"),
+    # Megatron-LM's GPT-2 BPE tokenizer reads it (through transformers), this project's not.
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{tmp}/data.jsonl",
+      "--merge-file", "{tmp}/data.jsonl", "--tokenizer-hf-include-special-tokens"],
+     "--tokenizer-hf-include-special-tokens with --tokenizer-type GPT2BPETokenizer: "
+     "Megatron-LM's tokenizer reads it, this project's does not"),
 ], ids=["missing-input", "glob-no-match", "missing-model", "not-a-model", "workers-0",
         "repeated-key", "prefix-is-dir", "split-sentences", "partitions-0", "extra-ids",
         "hf-specials"])

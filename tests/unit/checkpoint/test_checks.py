@@ -82,6 +82,14 @@ def test_differences_name_each_setting():
     assert new.num_layers == 3 and new.hidden_dropout == 0.0 and "num_layers=3" in taken
 
 
+def test_differences_say_not_given_and_on_off_never_none():
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                        max_position_embeddings=32, kv_channels=16)
+    saved = {"kv_channels": None, "swiglu": True}
+    diff = checkpoint_args.differences(saved, model, padded_vocab=None)
+    assert diff == ["--kv-channels not given (this run: 16)", "--swiglu on (this run: off)"]
+
+
 @pytest.mark.parametrize("split, n, problem", [
     ("969,30,1", 120, "the test split of p is empty"),
     ("969,30,1", 300, "the test split of p is empty"),

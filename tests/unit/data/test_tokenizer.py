@@ -196,10 +196,13 @@ def test_tiktokenizer_shifts_ranks_past_the_special_tokens(files):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(tokenizer_type="GPT2BPETokenizer"), "needs --vocab-file"),
+    # Flags Megatron-LM's tokenizer of the type reads and this project's does not (the
+    # flags no tokenizer of the type reads are ignored: test_tokenizer_flags.py).
+    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="{hf}", vocab_file="v.json"),
+     "--vocab-file with --tokenizer-type HuggingFaceTokenizer: Megatron-LM's tokenizer reads "
+     "it, this project's does not"),
     (dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model="{spm}",
-          vocab_file="v.json"),
-     "read by --tokenizer-type GPT2BPETokenizer only"),
-    (dict(tokenizer_type="NullTokenizer", tokenizer_model="x"), "--tokenizer-model is not read"),
+          tokenizer_special_tokens=["<x>"]), "--tokenizer-special-tokens with"),
     (dict(tokenizer_type="TikTokenizer", tokenizer_model="{tiktoken}"), "--tiktoken-pattern v1"),
     (dict(tokenizer_type="TikTokenizer", tokenizer_model="{tiktoken}", tiktoken_pattern="v1",
           tiktoken_num_special_tokens=10, vocab_size=5000), "give --vocab-size 283"),
@@ -207,8 +210,9 @@ def test_tiktokenizer_shifts_ranks_past_the_special_tokens(files):
           tokenizer_special_tokens=["<s>", "</s>"], vocab_size=2000), "must include <unk>"),
     (dict(tokenizer_type="TikTokenizer", tokenizer_model="{spm}", tiktoken_pattern="v1"),
      "reads a .json vocabulary"),
-    (dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model="{spm}",
-          vocab_extra_ids=3), "--vocab-extra-ids is read by"),
+    (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="{spm}",
+          tiktoken_special_tokens=["<x>"]), "--tiktoken-special-tokens with --tokenizer-type "
+                                            "Llama2Tokenizer"),
     (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="{hf}/tokenizer.json"),
      "not a SentencePiece model"),
 ], ids=lambda v: v if isinstance(v, str) else None)

@@ -45,3 +45,12 @@ def test_accepted(argv, device_bytes, auto, names):
     assert cfg.offload.device_cache_bytes() == device_bytes
     assert cfg.offload.device_cache_auto is auto
     assert cfg.optimizer.state_layout().names == names
+
+
+def test_offload_path_that_is_a_file_says_so(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(UsageError, match=f"--offload-paths {afile}: is a file, not a directory"):
+        parse_config([*OFFLOAD, "--offload-paths", str(afile)])
+    with pytest.raises(UsageError, match="no such directory; create it"):
+        parse_config([*OFFLOAD, "--offload-paths", str(tmp_path / "missing")])
