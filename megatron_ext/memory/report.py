@@ -16,6 +16,10 @@ def _seconds(value) -> str:
     return "?" if value is None else (f"{value:.3g} s" if value < 100 else f"{value:.0f} s")
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _tier_row(tier: Tier) -> List[str]:
     what = ", ".join(f"{name} {gb(value)}" for name, value in tier.items.items() if value)
     if tier.read_bytes or tier.write_bytes:
@@ -33,8 +37,8 @@ def plan_table(plan: MemoryPlan) -> str:
     shape, machine = plan.shape, plan.machine
     head = (f"memory plan ({plan.mode} mode, per rank of {shape.world_size} on {machine.name}"
             f"{f', {machine.ranks_per_node} per node' if machine.ranks_per_node > 1 else ''}; "
-            f"{shape.total_params / 1e9:.2f}B parameters, {shape.rank_params / 1e9:.2f}B on "
-            f"the rank, TP={shape.tp} PP={shape.pp} DP={shape.dp}")
+            f"{_count(shape.total_params)} parameters, {_count(shape.rank_params)} on the "
+            f"rank, TP={shape.tp} PP={shape.pp} DP={shape.dp}")
     if plan.subgroup_bytes:
         head += (f"; {plan.state_bytes_per_element} B/element states in subgroups of "
                  f"{gb(plan.subgroup_bytes)} GB")

@@ -65,14 +65,15 @@ def state_nbytes(arrays: Tuple[int, int, int], numel: int) -> int:
 
 
 def grads_in_fp32(cfg) -> bool:
-    """Whether the gradient buffer is fp32 (Megatron-LM's rule, ``model.build.grads_in_fp32``).
+    """Whether gradients are reduced in fp32 (Megatron-LM's rule, ``model.build.grads_in_fp32``).
 
-    fp32 with --bf16 unless --grad-reduce-in-bf16, with --fp16 under
-    --accumulate-allreduce-grads-in-fp32; fp32 training has fp32 gradients anyway.
+    With --bf16 unless --grad-reduce-in-bf16, with --fp16 under
+    --accumulate-allreduce-grads-in-fp32; otherwise in the parameters' dtype (fp32 training
+    has fp32 gradients anyway). The model's module imports torch; the plan does without.
     """
     if cfg.training.bf16:
         return not cfg.parallel.grad_reduce_in_bf16
-    return cfg.parallel.accumulate_allreduce_grads_in_fp32 or not cfg.training.fp16
+    return cfg.parallel.accumulate_allreduce_grads_in_fp32
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
