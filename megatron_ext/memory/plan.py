@@ -231,9 +231,13 @@ def _place_tiered(plan: MemoryPlan, states: TieredStates, host_room: int) -> Opt
         return None
     capacity = min(len(hosted), fits)
     if capacity < min(len(hosted), PIPELINE_BUFFERS):
-        return (f"the host has room for {fits} subgroups of {gb(buffer)} GB "
-                f"({_host_words(states)}); the offload pipeline needs "
-                f"{PIPELINE_BUFFERS}: free host memory, or lower --offload-subgroup-size")
+        # The engine's words (offload/plan.py) for a given size; the same rule for auto.
+        where = (f"--offload-host-cache-gb {states.host_bytes / GB:g} holds"
+                 if states.host_bytes is not None else
+                 f"the host ({_host_words(states)}) has room for")
+        return (f"{where} {fits} subgroups of {gb(buffer)} GB; the pipeline needs "
+                f"{PIPELINE_BUFFERS}: give at least {gb(PIPELINE_BUFFERS * buffer)} GB or a "
+                "smaller --offload-subgroup-size")
     free = [max(0, plan.machine.path_share(i) - states.path_reserve_bytes)
             for i in range(len(plan.paths))]
     homes, resident = _place_on_paths(states, sizes, hosted, capacity, plan.paths, free)

@@ -108,7 +108,8 @@ def test_offload_without_paths_and_too_little_host_names_offload_paths():
 def test_offload_host_cache_too_small_for_the_pipeline():
     flags = [*BIG, "--offload-optimizer", "--offload-host-cache-gb", "2"]
     line = one_line(plan(flags, paths=["600@1,1"], offload_paths=["/nvme"]).refusals[0])
-    assert "the offload pipeline needs 3" in line
+    assert line == ("--offload-host-cache-gb 2 holds 2 subgroups of 1 GB; the pipeline needs 3: "
+                    "give at least 3 GB or a smaller --offload-subgroup-size")
 
 
 def test_zenflow_cpu_states_too_big_for_the_host_name_offload_paths():

@@ -26,7 +26,8 @@ GPT = {"12.76B": ["--num-layers", "40", "--hidden-size", "5120", "--num-attentio
 LLAMA3_8B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
              "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
              "--kv-channels", "128", "--seq-length", "8192", "--max-position-embeddings", "8192",
-             "--position-embedding-type", "rope", "--swiglu", "--untie-embeddings-and-output-weights",
+             "--position-embedding-type", "rope", "--swiglu",
+             "--untie-embeddings-and-output-weights",
              "--disable-bias-linear", "--normalization", "RMSNorm", "--micro-batch-size", "1",
              "--global-batch-size", "128", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
              "--use-distributed-optimizer", "--bf16"]
