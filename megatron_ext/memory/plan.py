@@ -50,7 +50,8 @@ class Tier:
         name: "GPU", "host" or the path's directory.
         items: bytes by item ("weights", "optimizer states", ...).
         capacity: what this rank may use there (None: not known, e.g. no GPU on a CPU run).
-        subgroups: subgroups of tiered states placed there.
+        subgroups: subgroups of tiered states placed there (the host: its cache's buffers;
+            the paths: the subgroups with a file there).
         read_bytes: bytes read from it per iteration (paths).
         write_bytes: bytes written to it per iteration (paths).
         read_gbps: read bandwidth (paths; None: not known before the probe).
@@ -251,8 +252,9 @@ def _place_tiered(plan: MemoryPlan, states: TieredStates, host_room: int) -> Opt
                 f"free, or more host memory{_fix(states)}")
     plan.host_subgroups = len(resident)
     plan.host_cache_bytes = capacity * buffer
-    plan.host.items["optimizer states (host cache)"] = plan.host_cache_bytes
-    plan.host.subgroups = len(resident)
+    only = f", {len(resident)} without a file" if resident else ""
+    plan.host.items[f"optimizer states (host cache{only})"] = plan.host_cache_bytes
+    plan.host.subgroups = capacity
     # The cache's buffers beyond the host-only subgroups keep the tail of the last pass
     # (alternating order): that many of the path subgroups are hits, the rest cross the disk.
     reused = max(0, capacity - len(resident))
