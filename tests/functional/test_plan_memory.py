@@ -111,7 +111,9 @@ def test_a_run_that_cannot_fit_is_refused_before_the_first_step(tmp_path, flags,
 
 def test_the_plans_bytes_per_tier_are_what_the_engine_holds(tmp_path):
     """A tiny offload run on every tier: the device tier (host memory on a CPU run, a fixed
-    size), a host cache of 3 subgroups, two paths of different speeds."""
+    size), a host cache of 3 subgroups, two paths of different speeds. The plan is the
+    placement at start; without --no-offload-rebalance the engine would move subgroups
+    between the paths as it observes their speeds (on a loaded CI machine, any time)."""
     paths = []
     for i in range(2):
         (tmp_path / f"tier{i}").mkdir()
@@ -119,7 +121,8 @@ def test_the_plans_bytes_per_tier_are_what_the_engine_holds(tmp_path):
     metrics = tmp_path / "m.jsonl"
     run_pretrain([*BASE, "--train-iters", "3", "--offload-optimizer", "--offload-paths", *paths,
                   "--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036",
-                  "--offload-device-cache-gb", "0.00025", "--metrics-path", str(metrics)])
+                  "--offload-device-cache-gb", "0.00025", "--no-offload-rebalance",
+                  "--metrics-path", str(metrics)])
     records = [r for r in read_metrics(metrics) if "lm_loss" in r]
     plan = records[0]
     assert plan["memory/plan_fits"] == 1.0
