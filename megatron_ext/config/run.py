@@ -11,6 +11,7 @@ from megatron_ext.config.runtime import RuntimeConfig
 from megatron_ext.config.training import OptimizerConfig, TrainingConfig
 from megatron_ext.data.tokenizer import check_tokenizer_flags
 from megatron_ext.errors import UsageError
+from megatron_ext.memory.config import PlanConfig
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.optim.modes import enabled_modes
 from megatron_ext.runtime.batch_schedule import check_rampup, train_iters_from_samples
@@ -32,6 +33,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
     def __post_init__(self):

@@ -9,7 +9,35 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from megatron_ext.optim.modes import Mode, needs, only, refuses, register
+from megatron_ext.optim.modes import (
+    MemoryNeeds,
+    Mode,
+    TieredStates,
+    needs,
+    only,
+    refuses,
+    register,
+)
+
+
+def path_placement(policy: str):
+    """The engine's placement over the paths, for the memory plan (``TieredStates.place``)."""
+    def place(sizes: List[int], weights: List[float], free: List[int]) -> List[int]:
+        from megatron_ext.offload.placement import place_subgroups
+
+        return place_subgroups(sizes, weights, policy, capacity=free)
+    return place
+
+
+PATH_SPARE_FILES = 3
+"""Subgroup files a path keeps room for beside the states: ``io.SPARES_PER_SIZE`` recycled
+spares and one temporary file (``TierPlan``'s reserve; io.py imports torch, which the plan
+does without: a unit test keeps the two equal)."""
+
+
+def path_reserve_bytes(subgroup_bytes: int) -> int:
+    """Free space a path keeps beside the states (``TierPlan``'s reserve)."""
+    return PATH_SPARE_FILES * subgroup_bytes
 
 
 class OffloadMode(Mode):
@@ -55,6 +83,35 @@ class OffloadMode(Mode):
                 f"fetch {ms('fetch_bg_s'):.1f} flush {ms('flush_bg_s'):.1f} lock wait "
                 f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
                 f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
+
+    def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
+        """The shard's states in the tiers; the engine's staging on the GPU and the host.
+
+        The device tier is ``--offload-device-cache-gb`` (auto: the plan's device budget),
+        the host cache ``--offload-host-cache-gb`` (default: what the host has left), the
+        paths the rest. On the GPU: the write-back's two stages and the device updater's
+        fp32 gradients of one subgroup, and with the streamed update two state slots; on
+        the host: the gradients' two pinned stages and an fp32 scratch.
+        """
+        from megatron_ext.memory.shape import state_array_bytes, state_nbytes
+
+        off = cfg.offload
+        arrays = state_array_bytes(cfg)
+        biggest = min(off.offload_subgroup_size, shape.shard_elements)
+        buffer = state_nbytes(arrays, biggest)
+        gpu = {"offload staging": biggest * (2 * arrays[0] + 4)
+               + (2 * buffer if off.offload_gpu_update else 0)}
+        host = {"offload pipeline": biggest * (2 * shape.grad_bytes + 4)}
+        states = TieredStates(
+            elements=shape.shard_elements, arrays=arrays, subgroup_size=off.offload_subgroup_size,
+            device_bytes=None if off.device_cache_auto else off.device_cache_bytes(),
+            host_bytes=(None if off.offload_host_cache_gb is None
+                        else int(round(off.offload_host_cache_gb * 1e9))),
+            path_reserve_bytes=path_reserve_bytes(buffer),
+            place=path_placement(off.offload_placement))
+        return MemoryNeeds(gpu=gpu, host=host, tiered=states,
+                           gpu_fix="lower --offload-device-cache-gb or "
+                                   "--offload-subgroup-size")
 
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """The engine's manifests under the checkpoint and the state files they name."""

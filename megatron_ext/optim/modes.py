@@ -6,8 +6,9 @@ plain mode, with megatron-core's ``--optimizer-cpu-offload``), the offload engin
 :mod:`megatron_ext.zenflow.mode`). Each is one :class:`Mode` object in the registry here;
 the config checks its :attr:`Mode.requirements`, the optimizer seam calls its
 :meth:`Mode.build`, the stdout line asks its :meth:`Mode.log_summary`, the checkpoint
-integrity check its :meth:`Mode.checkpoint_problems` and the checkpoint load its
-:attr:`Mode.words`. None of those name a mode.
+integrity check its :meth:`Mode.checkpoint_problems`, the checkpoint load its
+:attr:`Mode.words` and the memory plan its :meth:`Mode.memory_needs`. None of those name a
+mode.
 
 The registry is complete whenever it is asked: the first lookup imports the built-in mode
 modules by name (:data:`BUILTIN_MODULES`), so tools that never build a trainer (the
@@ -97,6 +98,75 @@ def metric_section(record: dict, prefix: str,
     return f"{prefix}: " + " ".join(shown) if shown else None
 
 
+@dataclasses.dataclass(frozen=True)
+class TieredStates:
+    """Optimizer states the memory plan places over the device tier, the host and the paths.
+
+    Placement is by subgroup, as the offload engine's: the device tier first (up to its
+    bytes), the host next, the ``--offload-paths`` the rest.
+
+    Attributes:
+        elements: elements of the rank's states.
+        arrays: bytes per element of each stored array (master, exp_avg, exp_avg_sq).
+        subgroup_size: elements per subgroup (the unit of placement).
+        device_bytes: bytes the device tier may take: None for auto (the plan's device
+            budget), 0 for no device tier.
+        host_bytes: bytes of host memory for them: None for auto (what the host has left).
+        updates_per_iteration: how often they are all updated (1 every iteration; 1/S
+            for a window of S iterations).
+        overlaps_compute: whether their update runs beside forward and backward (ZenFlow's
+            asynchronous CPU side) rather than after them.
+        path_reserve_bytes: free space each path keeps beside the states (spare files).
+        place: the mode's placement over the paths: (subgroup bytes, path weights, free
+            bytes per path) -> the path of each subgroup; raises a ValueError or a
+            UsageError when they do not fit (None: in proportion to the bandwidths).
+        fix: what else helps when the tiers cannot hold them.
+    """
+
+    elements: int
+    arrays: Tuple[int, int, int]
+    subgroup_size: int
+    device_bytes: Optional[int] = 0
+    host_bytes: Optional[int] = None
+    updates_per_iteration: float = 1.0
+    overlaps_compute: bool = False
+    path_reserve_bytes: int = 0
+    place: Optional[Callable[[List[int], List[float], List[int]], List[int]]] = None
+    fix: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNeeds:
+    """What a mode keeps where, per rank, beyond the model's weights, grads and activations.
+
+    The memory plan's question to the mode (:meth:`Mode.memory_needs`).
+
+    Attributes:
+        gpu: GPU bytes by item ("optimizer states", "staging", ...).
+        host: host bytes by item.
+        tiered: states the plan places over the tiers (None: none).
+        gpu_fix: the flag that moves the GPU items elsewhere, for the refusal line.
+        host_fix: the flag that moves the host items elsewhere.
+    """
+
+    gpu: Dict[str, int] = dataclasses.field(default_factory=dict)
+    host: Dict[str, int] = dataclasses.field(default_factory=dict)
+    tiered: Optional[TieredStates] = None
+    gpu_fix: str = ""
+    host_fix: str = ""
+
+
+def megatron_state_bytes(cfg, shape) -> Tuple[int, int]:
+    """(masters, moments) bytes per element of megatron-core's optimizer shard.
+
+    fp32 masters beside bf16/fp16 weights (fp32 weights are their own masters), Adam's two
+    fp32 moments (SGD's one momentum buffer).
+    """
+    masters = 4 if shape.param_bytes < 4 else 0
+    moments = 8 if cfg.optimizer.optimizer == "adam" else 4
+    return masters, moments
+
+
 class Mode:
     """One optimizer mode. Subclasses set the attributes and override what differs.
 
@@ -135,6 +205,23 @@ class Mode:
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """(file, problem) of the files the mode wrote beside dist_checkpointing's."""
         return []
+
+    def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
+        """What the mode keeps where, for the memory plan made before the first step.
+
+        Args:
+            cfg: the run's config.
+            shape: the run's :class:`~megatron_ext.memory.shape.ModelShape`.
+            gpu_room: GPU bytes left after the weights, gradients, activations and a
+                reserve (None: not known, e.g. a CPU run).
+
+        The default is megatron-core's optimizer: its states on the GPU.
+        """
+        masters, moments = megatron_state_bytes(cfg, shape)
+        fix = ("add --offload-optimizer" if cfg.parallel.use_distributed_optimizer
+               else "add --use-distributed-optimizer --offload-optimizer")
+        return MemoryNeeds(gpu={"optimizer states": shape.shard_elements * (masters + moments)},
+                           gpu_fix=fix)
 
 
 _CPU_OFFLOAD = "optimizer.optimizer_cpu_offload"
@@ -177,6 +264,25 @@ class PlainMode(Mode):
                              "and needs a GPU; on the CPU the optimizer states are already in "
                              "host memory")
         return build_megatron_optimizer(cfg, model_chunks)
+
+    def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
+        """States on the GPU; with --optimizer-cpu-offload, a fraction's moments on the host.
+
+        megatron-core's HybridDeviceOptimizer keeps the offloaded fraction's fp32 params,
+        grads and moments in host memory (16 bytes per element) and the fp32 masters of the
+        whole shard on the GPU.
+        """
+        if not cfg.optimizer.optimizer_cpu_offload:
+            return super().memory_needs(cfg, shape, gpu_room)
+        masters, moments = megatron_state_bytes(cfg, shape)
+        n, share = shape.shard_elements, cfg.optimizer.optimizer_offload_fraction
+        return MemoryNeeds(
+            gpu={"optimizer states": n * masters + int(n * (1 - share)) * moments},
+            host={"optimizer states (megatron-core)": int(n * share) * (4 + moments + 4)},
+            gpu_fix="add --offload-optimizer (--optimizer-cpu-offload keeps the fp32 masters "
+                    "on the GPU)",
+            host_fix="lower --optimizer-offload-fraction, or use --offload-optimizer with "
+                     "--offload-paths DIR")
 
 
 _REGISTRY: Dict[str, Mode] = {}

@@ -158,6 +158,8 @@ class Trainer:
 
         from megatron_ext.data.datasets import build_datasets
         from megatron_ext.data.tokenizer import build_tokenizer
+        from megatron_ext.memory.report import plan_metrics
+        from megatron_ext.memory.startup import plan_before_start
         from megatron_ext.model import build_model, padded_vocab_size
         from megatron_ext.runtime.distributed import initialize
         from megatron_ext.training.optimizer import build_optimizer, build_scheduler
@@ -174,6 +176,9 @@ class Trainer:
         # Before anything is built from it: every file verified, the model settings taken
         # (--use-checkpoint-args) or compared.
         common = ckpt.prepare_load(load_dir, cfg, rt) if load_dir else None
+        # Before the first allocation: what goes where, and a one-line refusal of what
+        # cannot fit (megatron_ext.memory).
+        self.memory_plan = plan_before_start(cfg, rt, tokenizer.vocab_size)
         log.info("start-up: building the datasets")
         self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
@@ -202,6 +207,7 @@ class Trainer:
         self.ramp = BatchRamp(cfg.training, rt.rank, rt.dp)
         self.num_microbatches = self.ramp.update(self.state.consumed_train_samples)
         self.writer = MetricsWriter(cfg, enabled=rt.rank == 0)
+        self._plan_record = plan_metrics(self.memory_plan)  # into the first logged record
         self.tensorboard = TensorBoardWriter(cfg, rt.rank, rt.world_size, rt.is_cpu)
         log.info("megatron_ext: %s x%d (TP=%d PP=%d DP=%d%s), %.2fM parameters, vocab %d "
                  "(padded from %d), %d micro-batches per iteration%s",
@@ -389,6 +395,8 @@ class Trainer:
             record["params_norm"] = _params_norm(self.model)
         record.update(optimizer_metrics(self.optimizer))
         record.update(memory_stats(rt))
+        record.update(self._plan_record)
+        self._plan_record = {}
         record["time/eta_s"] = self.eta.add(iters, elapsed, self.state.iteration)
         if rt.rank == 0:
             print(format_line(record, cfg.training.train_iters, cfg.logging.log_throughput),

@@ -9,11 +9,14 @@ engine's host cache and tiers.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from megatron_ext.optim.modes import (
+    MemoryNeeds,
     Mode,
     Requirement,
+    TieredStates,
     metric_section,
     needs,
     only,
@@ -60,6 +63,62 @@ class ZenFlowMode(Mode):
 
         with zenflow_optimizer(cfg.zenflow, runtime.rank, cfg.offload) as bound:
             return build_megatron_optimizer(cfg, model_chunks, bound)
+
+    def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
+        """The selected columns' states on the GPU; the delayed ones' on the CPU side.
+
+        GPU: fp32 master and moments of the selected columns and of every 1-D parameter,
+        the buffer the new weights wait in, and the fp32 accumulator with
+        ``--zenflow-accumulate device`` (auto: when the GPU has room for it and 1 GiB).
+        Host: the accumulators (two fp32 windows and the staging slots; one fp32 mean
+        with the device accumulator), the new weights, and the CPU side's fp32 master and
+        moments, unless they live in the offload tiers (``--zenflow-cpu-states``).
+        """
+        from megatron_ext.memory.shape import state_array_bytes, state_nbytes
+        from megatron_ext.offload.mode import path_placement, path_reserve_bytes
+
+        zen, off = cfg.zenflow, cfg.offload
+        n = shape.shard_elements
+        vectors = min(n, -(-shape.rank_vector_params // shape.dp))
+        selected = math.ceil((n - vectors) * zen.zenflow_topk_ratio)
+        delayed = n - vectors - selected
+        gpu = {"ZenFlow GPU states": (selected + vectors) * 12,
+               "ZenFlow new weights": delayed * shape.param_bytes}
+        place = zen.zenflow_accumulate
+        if place == "auto":
+            room = None if gpu_room is None else gpu_room - sum(gpu.values())
+            place = "device" if room is not None and room > 4 * delayed + 2**30 else "host"
+        host = {"ZenFlow new weights": delayed * shape.param_bytes}
+        if place == "device":
+            gpu["ZenFlow accumulator"] = 4 * delayed
+            host["ZenFlow window mean"] = 4 * delayed
+        else:
+            host["ZenFlow accumulators"] = (8 + zen.zenflow_staging_slots
+                                            * shape.grad_bytes) * delayed
+        tiered = None
+        if zen.zenflow_cpu_states == "tiers":
+            arrays = state_array_bytes(cfg)
+            interval = zen.zenflow_update_interval
+            tiered = TieredStates(
+                elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,
+                host_bytes=(None if off.offload_host_cache_gb is None
+                            else int(round(off.offload_host_cache_gb * 1e9))),
+                updates_per_iteration=1.0 / (int(interval) if interval.isdigit() else 4),
+                overlaps_compute=True,
+                path_reserve_bytes=path_reserve_bytes(
+                    state_nbytes(arrays, min(off.offload_subgroup_size, delayed))),
+                place=path_placement(off.offload_placement))
+            host_fix = ("use --zenflow-accumulate device (the accumulator on the GPU) or a "
+                        "larger --zenflow-topk-ratio")
+        else:
+            host["ZenFlow CPU states"] = 12 * delayed
+            host_fix = ("use --zenflow-cpu-states tiers with --offload-paths DIR"
+                        if off.offload_optimizer else
+                        "add --offload-optimizer --offload-paths DIR (ZenFlow then keeps its "
+                        "CPU-side states in the offload tiers)")
+        return MemoryNeeds(gpu=gpu, host=host, tiered=tiered, host_fix=host_fix,
+                           gpu_fix="lower --zenflow-topk-ratio, or "
+                                   "--zenflow-accumulate host")
 
     def log_summary(self, record: dict) -> Optional[str]:
         """``zenflow: rho .. S .. stall (ms) .. selected ..`` from its metrics in the record."""

@@ -185,6 +185,13 @@ def test_a_new_mode_is_built_and_asked_without_touching_training_code(isolated_r
             config("--fp16")
         # The checkpoint load names it.
         assert checkpointing._optimizer_kind(cfg) == "the fake optimizer"
+        # The memory plan asks it (the default: megatron-core's states on the GPU).
+        from megatron_ext.memory.machine import Machine
+        from megatron_ext.memory.plan import plan_run
+
+        cfg.check_world(1)
+        plan = plan_run(cfg, 100, 1, Machine("m", 10**9, 10**9, 10**10))
+        assert plan.mode == "fake" and "optimizer states" in plan.gpu.items
     finally:
         fake.on = False
     # Its part of the stdout line, after the other modes' and before the ETA.
@@ -238,3 +245,72 @@ def test_plain_mode_refuses_megatron_host_offload_on_the_cpu():
     with pytest.raises(UsageError, match="^--optimizer-cpu-offload is megatron-core's "
                                          "GPU-to-host offload and needs a GPU"):
         build_optimizer(cfg, [], types.SimpleNamespace(is_cpu=True, rank=0))
+
+
+# ---------------------------------------------------------------- the memory plan's needs
+
+
+def _shape(cfg):
+    from megatron_ext.memory.shape import model_shape
+
+    cfg.check_world(1)
+    return model_shape(cfg, 100, 1)
+
+
+@pytest.mark.parametrize("flags, masters, moments", [
+    ([], 0, 8),                    # fp32 weights are their own masters
+    (["--bf16"], 4, 8),            # fp32 masters beside bf16 weights
+    (["--optimizer", "sgd"], 0, 4),
+])
+def test_plain_mode_keeps_megatron_cores_states_on_the_gpu(flags, masters, moments):
+    cfg = config(*DIST, *flags)
+    shape = _shape(cfg)
+    needs = modes.mode_of(cfg).memory_needs(cfg, shape)
+    assert needs.gpu == {"optimizer states": shape.shard_elements * (masters + moments)}
+    assert needs.host == {} and needs.tiered is None
+    assert needs.gpu_fix == "add --offload-optimizer"
+
+
+def test_plain_mode_with_megatron_cores_host_offload():
+    cfg = config(*DIST, "--bf16", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                 "0.5")
+    shape = _shape(cfg)
+    needs = modes.mode_of(cfg).memory_needs(cfg, shape)
+    n = shape.shard_elements
+    assert needs.gpu["optimizer states"] == 4 * n + (n - n // 2) * 8
+    assert needs.host["optimizer states (megatron-core)"] == (n // 2) * 16
+
+
+def test_offload_mode_puts_the_states_in_the_tiers():
+    cfg = config(*DIST, "--bf16", "--offload-optimizer", "--offload-subgroup-size", "1000",
+                 "--offload-host-cache-gb", "0.5", "--offload-device-cache-gb", "auto")
+    shape = _shape(cfg)
+    needs = modes.mode_of(cfg).memory_needs(cfg, shape)
+    states = needs.tiered
+    assert (states.elements, states.arrays, states.subgroup_size) == (
+        shape.shard_elements, (2, 4, 4), 1000)
+    assert states.device_bytes is None and states.host_bytes == 5 * 10**8
+    assert states.path_reserve_bytes == 3 * 10000
+    # The engine's own placement over the paths (bandwidth-proportional, interleaved).
+    assert states.place([10, 10, 10, 10], [1.0, 1.0], [100, 100]) == [0, 1, 0, 1]
+
+
+def test_offload_paths_keep_room_for_the_engines_spare_files():
+    from megatron_ext.offload import io
+    from megatron_ext.offload.mode import PATH_SPARE_FILES
+
+    assert PATH_SPARE_FILES == io.SPARES_PER_SIZE + 1
+
+
+def test_zenflow_mode_splits_selected_and_delayed_columns():
+    cfg = config(*DIST, "--bf16", "--zenflow", "--zenflow-topk-ratio", "0.25",
+                 "--zenflow-accumulate", "host")
+    shape = _shape(cfg)
+    needs = modes.mode_of(cfg).memory_needs(cfg, shape)
+    vectors = shape.rank_vector_params
+    selected = -(-(shape.shard_elements - vectors) // 4)
+    delayed = shape.shard_elements - vectors - selected
+    assert needs.gpu["ZenFlow GPU states"] == (selected + vectors) * 12
+    assert needs.host["ZenFlow CPU states"] == 12 * delayed
+    assert needs.host["ZenFlow accumulators"] == (8 + 3 * 4) * delayed  # fp32 grads
+    assert needs.tiered is None

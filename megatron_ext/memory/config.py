@@ -1,0 +1,68 @@
+"""The memory plan's config (``--plan-*`` flags) and its test knobs of the machine.
+
+The conventions of every section are in :mod:`megatron_ext.config`. The knobs stand in for
+what :mod:`megatron_ext.memory.machine` measures (free GPU memory, ``MemAvailable``, each
+path's free space), so that CPU tests can make a run too big for an injected machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional
+
+from megatron_ext.errors import UsageError
+from megatron_ext.runtime.fields import knob, option
+
+GPU_FREE_ENV = "MEGATRON_EXT_GPU_FREE_GB"
+MEMAVAILABLE_ENV = "MEGATRON_EXT_MEMAVAILABLE_GB"
+PATH_FREE_ENV = "MEGATRON_EXT_PATH_FREE_GB"
+
+
+def parse_gb(text: str) -> float:
+    """A finite number of GB, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError("give a number of GB >= 0")
+    return value
+
+
+def parse_gb_list(text: str) -> List[float]:
+    """``GB,GB,...``: one number of GB per path, in the order of --offload-paths."""
+    return [parse_gb(item) for item in text.split(",") if item.strip()]
+
+
+@dataclasses.dataclass
+class PlanConfig:
+    """The memory plan made before the first step (see docs/memory.md)."""
+
+    plan_tflops: Optional[float] = option(None, metavar="TFLOPS")
+    """Achieved TFLOP/s per GPU (model FLOPs of forward and backward, recomputation included)
+    with which the start-up memory plan predicts the forward+backward time. Default: the
+    figure measured on this project's H200 runs on an H200, none elsewhere (the plan then
+    gives no step time)."""
+    plan_check: bool = option(True, negate="--no-plan-check")
+    """Start even when the memory plan says the run does not fit: the plan's table is
+    logged and its refusal becomes a warning. The plan is an estimate (activations above
+    all); without this flag a run the plan says cannot fit stops before the first step,
+    in one line that names the numbers and the flag that fixes it."""
+
+    plan_gpu_free_gb: Optional[float] = knob(None, env=GPU_FREE_ENV, parse=parse_gb,
+                                             metavar="GB")
+    """Test hook: the free GPU memory (GB) the memory plan sees instead of measuring it;
+    on a CPU run it makes the plan check the "GPU" tier against this size."""
+    plan_memavailable_gb: Optional[float] = knob(None, env=MEMAVAILABLE_ENV, parse=parse_gb,
+                                                 metavar="GB")
+    """Test hook: the host's MemAvailable (GB) the memory plan sees instead of
+    /proc/meminfo."""
+    plan_path_free_gb: List[float] = knob([], env=PATH_FREE_ENV, parse=parse_gb_list,
+                                          metavar="GB,...")
+    """Test hook: each --offload-paths directory's free space (GB, one per path, in order)
+    the memory plan sees instead of statvfs."""
+
+    def __post_init__(self):
+        if self.plan_tflops is not None and not self.plan_tflops > 0:
+            raise UsageError(f"--plan-tflops {self.plan_tflops}: must be positive")

@@ -1,0 +1,184 @@
+"""The machine the memory plan sizes a run for: GPU, host memory, paths, speed.
+
+:func:`measure` reads this machine at start-up (free GPU memory, ``MemAvailable``, each
+``--offload-paths`` directory's free space; the knobs of :mod:`megatron_ext.memory.config`
+stand in for each); ``tools/plan_memory.py`` states a target machine instead
+(:class:`Machine` built from its flags). The only I/O of the package is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import List, Optional, Sequence, Tuple
+
+GB = 1e9
+
+# Achieved TFLOP/s per GPU of forward+backward (model FLOPs with recomputation, the
+# formula of memory/shape.py) measured on this project's runs; the plan's default on
+# such a device. H200: the 16.5B and 20.1B rows of bench/results/2026-12-02b-h200
+# (bf16, full recompute, iterations 2-3): 1.773e16 FLOPs in 29.5-30.3 s and 2.164e16
+# FLOPs in 35.9-37.0 s, 584-603 TFLOP/s.
+MEASURED_TFLOPS = {"H200": 590.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class PathCapacity:
+    """One ``--offload-paths`` directory as the plan sees it.
+
+    Attributes:
+        name: the directory (or "path N" on a stated target machine).
+        free_bytes: its free space, for the whole node.
+        read_gbps: its read bandwidth in GB/s (None: not known before the probe).
+        write_gbps: its write bandwidth in GB/s (None: not known).
+    """
+
+    name: str
+    free_bytes: int
+    read_gbps: Optional[float] = None
+    write_gbps: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Capacities of one node and the speed of its GPUs.
+
+    Attributes:
+        name: the device in words ("NVIDIA H200", "cpu", "target").
+        gpu_total_bytes: memory of one GPU (None: no GPU, a CPU run).
+        gpu_free_bytes: free memory of this rank's GPU now (None: no GPU).
+        host_available_bytes: the node's MemAvailable.
+        ranks_per_node: training processes sharing the host and the paths.
+        paths: the ``--offload-paths`` directories, in order.
+        tflops: achieved TFLOP/s per GPU of forward+backward (None: not known).
+    """
+
+    name: str
+    gpu_total_bytes: Optional[int]
+    gpu_free_bytes: Optional[int]
+    host_available_bytes: int
+    ranks_per_node: int = 1
+    paths: Tuple[PathCapacity, ...] = ()
+    tflops: Optional[float] = None
+
+    def host_share(self) -> int:
+        """The host memory one rank may plan with."""
+        return self.host_available_bytes // max(1, self.ranks_per_node)
+
+    def path_share(self, index: int) -> int:
+        """The free space of path ``index`` that one rank may plan with."""
+        return self.paths[index].free_bytes // max(1, self.ranks_per_node)
+
+
+def split_path_spec(text: str) -> Tuple[str, Optional[float], Optional[float]]:
+    """(directory, read GB/s, write GB/s) of an ``--offload-paths`` item.
+
+    The config has checked the item already (``offload.paths.parse_tier_spec``, whose rule
+    this follows: split at the last ``@`` unless what follows has a ``/``; one number is
+    read = write).
+    """
+    head, sep, tail = text.rpartition("@")
+    if not sep or "/" in tail or not head:
+        return text, None, None
+    values = [float(part) for part in tail.split(",")]
+    return head, values[0], values[-1]
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """The kernel's MemAvailable (what can be allocated without swapping), in bytes."""
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{meminfo} has no MemAvailable line")
+
+
+def default_tflops(device_name: str) -> Optional[float]:
+    """The measured figure of :data:`MEASURED_TFLOPS` for a device of this name, if any."""
+    for key, value in MEASURED_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+def _ranks_per_node(environ) -> int:
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        text = environ.get(name, "").split("(")[0]
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def measure(cfg, runtime, environ=None) -> Machine:
+    """The machine now, as the rank ``runtime`` sees it (the knobs override each value).
+
+    Args:
+        cfg: the run's config (its ``plan`` section's knobs, its ``--offload-paths``).
+        runtime: the run's runtime (its device).
+        environ: the environment (default ``os.environ``), for the ranks per node.
+    """
+    plan = cfg.plan
+    environ = os.environ if environ is None else environ
+    name, total, free = "cpu", None, None
+    if not runtime.is_cpu:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(runtime.device)
+        name = torch.cuda.get_device_name(runtime.device)
+    if plan.plan_gpu_free_gb is not None:
+        free = int(plan.plan_gpu_free_gb * GB)
+        total = free if total is None else total
+    host = (int(plan.plan_memavailable_gb * GB) if plan.plan_memavailable_gb is not None
+            else mem_available_bytes())
+    tflops = plan.plan_tflops or (default_tflops(name) if not runtime.is_cpu else None)
+    return Machine(name=name, gpu_total_bytes=total, gpu_free_bytes=free,
+                   host_available_bytes=host, ranks_per_node=_ranks_per_node(environ),
+                   paths=tuple(measure_paths(cfg.offload.offload_paths,
+                                             plan.plan_path_free_gb)),
+                   tflops=tflops)
+
+
+def measure_paths(specs: Sequence[str], free_gb: Sequence[float] = ()) -> List[PathCapacity]:
+    """Each ``--offload-paths`` item's free space (statvfs, or ``free_gb``) and stated speed.
+
+    A path given without bandwidths is probed by the engine when it starts, after the plan:
+    the plan then has no time for it.
+    """
+    paths = []
+    for i, text in enumerate(specs):
+        directory, read, write = split_path_spec(text)
+        free = (int(free_gb[i] * GB) if i < len(free_gb)
+                else shutil.disk_usage(directory).free)
+        paths.append(PathCapacity(directory, free, read, write))
+    return paths
+
+
+def parse_target_path(text: str, index: int) -> PathCapacity:
+    """``GB[@READ_GBPS[,WRITE_GBPS]]`` of ``tools/plan_memory.py --target-path``.
+
+    Raises:
+        ValueError: not of that form, or not positive numbers.
+    """
+    size, _, speed = text.partition("@")
+    values = [float(size)] + [float(part) for part in speed.split(",") if speed]
+    if len(values) > 3 or any(not value > 0 or value == float("inf") for value in values):
+        raise ValueError(f"--target-path {text}: give GB[@READ_GBPS,WRITE_GBPS], positive "
+                         "numbers")
+    read = values[1] if len(values) > 1 else None
+    write = values[2] if len(values) > 2 else read
+    return PathCapacity(f"path{index}", int(values[0] * GB), read, write)
+
+
+def target_machine(gpu_gb: float, host_gb: float, paths: Sequence[str], tflops: Optional[float],
+                   gpus_per_node: int = 1, name: str = "target") -> Machine:
+    """A stated machine (``tools/plan_memory.py``).
+
+    One GPU of ``gpu_gb`` free, the node's ``host_gb`` of MemAvailable and its ``paths``
+    (``GB[@READ,WRITE]`` each).
+    """
+    gpu = int(gpu_gb * GB)
+    return Machine(name=name, gpu_total_bytes=gpu, gpu_free_bytes=gpu,
+                   host_available_bytes=int(host_gb * GB), ranks_per_node=gpus_per_node,
+                   paths=tuple(parse_target_path(text, i) for i, text in enumerate(paths)),
+                   tflops=tflops)

@@ -1,0 +1,88 @@
+"""The memory plan as a small table (the start-up log, tools/plan_memory.py) and as metrics.
+
+:func:`plan_table` is what both print; :func:`plan_metrics` is the ``memory/plan_*`` record
+the metrics get once at start-up, so a test (or a reader of the JSONL) can put the plan
+beside the engine's own ``offload/*`` numbers. Pure.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from megatron_ext.memory.plan import MemoryPlan, Tier, gb
+
+
+def _seconds(value) -> str:
+    return "?" if value is None else (f"{value:.3g} s" if value < 100 else f"{value:.0f} s")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _tier_row(tier: Tier) -> List[str]:
+    what = ", ".join(f"{name} {gb(value)}" for name, value in tier.items.items() if value)
+    if tier.read_bytes or tier.write_bytes:
+        speed = (f" at {tier.read_gbps:.2f}/{tier.write_gbps:.2f} GB/s"
+                 if tier.read_gbps and tier.write_gbps else " (speed probed at start)")
+        what += (f"; per iteration read {gb(tier.read_bytes)} + write "
+                 f"{gb(tier.write_bytes)} GB{speed}")
+    capacity = "?" if tier.capacity is None else gb(tier.capacity)
+    return [tier.name, gb(tier.used), capacity, str(tier.subgroups) if tier.subgroups else "-",
+            what or "-"]
+
+
+def plan_table(plan: MemoryPlan) -> str:
+    """The plan in a few lines: a header, one row per tier, the step time, the verdict."""
+    shape, machine = plan.shape, plan.machine
+    head = (f"memory plan ({plan.mode} mode, per rank of {shape.world_size} on {machine.name}"
+            f"{f', {machine.ranks_per_node} per node' if machine.ranks_per_node > 1 else ''}; "
+            f"{_count(shape.total_params)} parameters, {_count(shape.rank_params)} on the "
+            f"rank, TP={shape.tp} PP={shape.pp} DP={shape.dp}")
+    if plan.subgroup_bytes:
+        head += (f"; {plan.state_bytes_per_element} B/element states in subgroups of "
+                 f"{gb(plan.subgroup_bytes)} GB")
+    rows = [["tier", "GB", "of GB", "subgroups", "what"]] + [_tier_row(t) for t in plan.tiers]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [head + ")"]
+    for row in rows:
+        lines.append("  " + " | ".join(cell.ljust(width) for cell, width in
+                                        zip(row[:4], widths)) + " | " + row[4])
+    flops = f"{shape.flops_per_iteration:.3g} FLOPs"
+    tflops = f" at {machine.tflops:g} TFLOP/s per GPU" if machine.tflops else \
+        " (no TFLOP/s known: give --plan-tflops)"
+    lines.append(f"  step: forward+backward {_seconds(plan.fwd_bwd_s)} ({flops}{tflops}), "
+                 f"update I/O floor {_seconds(plan.io_floor_s)}, predicted "
+                 f"{_seconds(plan.step_s)}")
+    if plan.mode == "offload" or plan.device_budget:
+        lines.append(f"  device budget before the first step: {gb(plan.device_budget)} GB")
+    lines.append("  fits" if not plan.refusals else
+                 "  does not fit: " + "; ".join(plan.refusals))
+    return "\n".join(lines)
+
+
+def plan_metrics(plan: MemoryPlan) -> Dict[str, float]:
+    """``memory/plan_*``: bytes and subgroups per tier, the estimates, the verdict."""
+    record: Dict[str, float] = {
+        "memory/plan_gpu_bytes": float(plan.gpu.used),
+        "memory/plan_host_bytes": float(plan.host.used),
+        "memory/plan_weights_bytes": float(plan.gpu.items["weights"]),
+        "memory/plan_gradients_bytes": float(plan.gpu.items["gradients"]),
+        "memory/plan_activation_bytes": float(plan.gpu.items["activations"]),
+        "memory/plan_device_tier_bytes": float(plan.gpu.items.get("device tier", 0)),
+        "memory/plan_device_subgroups": float(plan.device_subgroups),
+        "memory/plan_host_cache_bytes": float(plan.host_cache_bytes),
+        "memory/plan_host_only_subgroups": float(plan.host_subgroups),
+        "memory/plan_device_budget_bytes": float(plan.device_budget),
+        "memory/plan_state_bytes_per_element": float(plan.state_bytes_per_element),
+        "memory/plan_fits": float(not plan.refusals),
+    }
+    for index, path in enumerate(plan.paths):
+        record[f"memory/plan_path{index}_bytes"] = float(path.used)
+        record[f"memory/plan_path{index}_subgroups"] = float(path.subgroups)
+        record[f"memory/plan_path{index}_io_bytes"] = path.read_bytes + path.write_bytes
+    for key, value in (("fwd_bwd_s", plan.fwd_bwd_s), ("io_floor_s", plan.io_floor_s),
+                       ("step_s", plan.step_s)):
+        if value is not None:
+            record[f"memory/plan_{key}"] = float(value)
+    return record

@@ -1,0 +1,175 @@
+"""The memory plan: placement per tier, the device budget, the one-line refusals."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+from megatron_ext.config import parse_config
+from megatron_ext.errors import UsageError
+from megatron_ext.memory.machine import GB, Machine, PathCapacity, target_machine
+from megatron_ext.memory.plan import device_budget_bytes, make_plan, plan_run
+from megatron_ext.memory.shape import model_shape
+from megatron_ext.memory.startup import plan_before_start
+
+# The 16.5B row on one H200 (bench/gpu_offload_large.sh's flags).
+BIG = ["--num-layers", "36", "--hidden-size", "6144", "--num-attention-heads", "48",
+       "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
+       "--global-batch-size", "64", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
+       "--vocab-size", "32000", "--bf16", "--grad-reduce-in-bf16",
+       "--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method",
+       "uniform", "--recompute-num-layers", "1"]
+# The 6.6B of docs/zenflow.md (32 layers, hidden 4096).
+MID = [a for a in BIG]
+MID[1], MID[3], MID[5] = "32", "4096", "32"
+H200 = dict(gpu_gb=150.1, host_gb=134.2, tflops=590.0)
+
+
+def plan(flags, paths=(), offload_paths=None, **machine):
+    cfg = parse_config(flags)
+    cfg.check_world(1)
+    if offload_paths is not None:
+        cfg.offload.offload_paths = offload_paths
+    spec = {**H200, **machine}
+    return plan_run(cfg, 32001, 1, target_machine(spec["gpu_gb"], spec["host_gb"], list(paths),
+                                                  spec["tflops"]))
+
+
+def one_line(text):
+    assert "\n" not in text
+    return text
+
+
+def test_plain_run_too_big_for_the_gpu_names_offload_optimizer():
+    p = plan(BIG)
+    assert len(p.refusals) == 1
+    line = one_line(p.refusals[0])
+    assert line.startswith("the run needs 266 GB on the GPU (weights 33.0, gradients 33.0, "
+                           "activations 2.07, optimizer states 198), 150 GB free")
+    assert line.endswith(": add --offload-optimizer")
+
+
+def test_plain_run_without_distributed_optimizer_names_both_flags():
+    flags = [f for f in BIG if f != "--use-distributed-optimizer"]
+    assert plan(flags).refusals[0].endswith(
+        ": add --use-distributed-optimizer --offload-optimizer")
+
+
+def test_a_model_that_does_not_fit_even_without_states_names_parallelism():
+    line = one_line(plan(BIG, gpu_gb=40).refusals[0])
+    assert "--tensor-model-parallel-size" in line and "--offload-optimizer" not in line
+
+
+def test_plain_run_that_fits():
+    small = [a if a not in ("36",) else "4" for a in BIG]  # 4 layers: 2.3B parameters
+    p = plan(small)
+    assert not p.refusals
+    assert p.gpu.used < p.gpu.capacity
+
+
+def test_offload_places_device_tier_host_cache_and_path():
+    flags = [*BIG, "--offload-optimizer", "--offload-device-cache-gb", "auto"]
+    p = plan(flags, paths=["60@1.37,1.80"], offload_paths=["/nvme"])
+    assert not p.refusals
+    shape = p.shape
+    # Free GPU memory less weights, gradients, activations, staging and the 4 GB reserve.
+    staging = p.gpu.items["offload staging"]
+    assert device_budget_bytes(p) == int(150.1 * GB) - shape.weights_bytes - \
+        shape.grads_bytes - shape.activation_bytes - staging - 4 * 10**9
+    sub = p.subgroup_bytes
+    assert sub == 10**8 * 10  # 10 B/element: the master as a remainder beside bf16
+    assert p.device_subgroups == device_budget_bytes(p) // sub
+    # Every subgroup is somewhere: the device tier, the host cache only, or a path.
+    placed = p.device_subgroups + p.host_subgroups + sum(t.subgroups for t in p.paths)
+    assert placed == -(-shape.shard_elements // 10**8)
+    assert p.paths[0].used <= 60 * GB - 3 * sub  # the path keeps room for its spares
+    assert p.fwd_bwd_s == pytest.approx(shape.flops_per_iteration / 590e12)
+    assert p.io_floor_s == pytest.approx(p.paths[0].read_bytes / 1.37e9
+                                         + p.paths[0].write_bytes / 1.80e9)
+    assert p.step_s == pytest.approx(p.fwd_bwd_s + p.io_floor_s)
+
+
+def test_offload_states_beyond_gpu_host_and_paths_say_how_much_more():
+    flags = [*BIG, "--offload-optimizer"]  # no device tier
+    p = plan(flags, paths=["20@1,1"], offload_paths=["/nvme"])
+    line = one_line(p.refusals[0])
+    assert line.startswith("the optimizer states need 165 GB: the GPU's device tier holds 0, "
+                           "the host 119 and the paths 17.0")
+    assert "GB more: add --offload-paths DIR with that much free" in line
+
+
+def test_offload_without_paths_and_too_little_host_names_offload_paths():
+    line = one_line(plan([*BIG, "--offload-optimizer"]).refusals[0])
+    assert line.endswith("; 47.0 GB more: add --offload-paths DIR with 47.0 GB free")
+
+
+def test_offload_host_cache_too_small_for_the_pipeline():
+    flags = [*BIG, "--offload-optimizer", "--offload-host-cache-gb", "2"]
+    line = one_line(plan(flags, paths=["600@1,1"], offload_paths=["/nvme"]).refusals[0])
+    assert line == ("--offload-host-cache-gb 2 holds 2 subgroups of 1 GB; the pipeline needs 3: "
+                    "give at least 3 GB or a smaller --offload-subgroup-size")
+
+
+def test_zenflow_cpu_states_too_big_for_the_host_name_offload_paths():
+    p = plan([*MID, "--zenflow", "--zenflow-accumulate", "host"])
+    assert p.mode == "zenflow"
+    line = one_line(p.refusals[0])
+    assert "GB of host memory per rank" in line and "ZenFlow CPU states" in line
+    assert line.endswith("add --offload-optimizer --offload-paths DIR (ZenFlow then keeps its "
+                         "CPU-side states in the offload tiers)")
+
+
+def test_zenflow_with_paths_keeps_its_cpu_states_in_the_tiers():
+    p = plan([*MID, "--zenflow", "--offload-optimizer", "--zenflow-accumulate", "host"],
+             paths=["60@1.37,1.80"], offload_paths=["/nvme"], host_gb=120)
+    assert not p.refusals
+    assert "ZenFlow CPU states" not in p.host.items
+    assert p.paths[0].subgroups > 0
+    # The CPU side updates once per window of 4 iterations, beside forward and backward.
+    assert p.step_s == pytest.approx(max(p.fwd_bwd_s, p.io_floor_s))
+
+
+def test_zenflow_explicit_host_states_name_the_tiers_flag():
+    p = plan([*MID, "--zenflow", "--offload-optimizer", "--zenflow-cpu-states", "host",
+              "--zenflow-accumulate", "host"])
+    assert p.refusals[0].endswith("use --zenflow-cpu-states tiers with --offload-paths DIR")
+
+
+def test_no_gpu_known_checks_no_gpu():
+    cfg = parse_config(BIG)
+    cfg.check_world(1)
+    shape = model_shape(cfg, 32001, 1)
+    p = make_plan(cfg, shape, Machine("cpu", None, None, 10**12))
+    assert not p.refusals and device_budget_bytes(p) == 0
+
+
+def _runtime():
+    return types.SimpleNamespace(is_cpu=True, world_size=1, device=None)
+
+
+def test_start_up_refuses_in_one_line(monkeypatch):
+    monkeypatch.setenv("MEGATRON_EXT_GPU_FREE_GB", "100")
+    cfg = parse_config(BIG)
+    cfg.check_world(1)
+    with pytest.raises(UsageError) as err:
+        plan_before_start(cfg, _runtime(), 32001)
+    assert one_line(str(err.value)).startswith("memory plan: the run needs 266 GB on the GPU")
+
+
+def test_no_plan_check_logs_the_refusal_and_goes_on(monkeypatch, caplog):
+    monkeypatch.setenv("MEGATRON_EXT_GPU_FREE_GB", "100")
+    cfg = parse_config([*BIG, "--no-plan-check"])
+    cfg.check_world(1)
+    with caplog.at_level(logging.INFO, logger="megatron_ext"):
+        p = plan_before_start(cfg, _runtime(), 32001)
+    assert p.refusals
+    assert "memory plan (plain mode" in caplog.text
+    assert "--no-plan-check: starting anyway" in caplog.text
+
+
+def test_paths_shared_by_the_ranks_of_a_node():
+    machine = Machine("m", 10**11, 10**11, 8 * 10**11, ranks_per_node=8,
+                      paths=(PathCapacity("/nvme", 8 * 10**12, 2.0, 2.0),))
+    assert machine.host_share() == 10**11 and machine.path_share(0) == 10**12

@@ -1,0 +1,50 @@
+"""The plan's table and its ``memory/plan_*`` metrics."""
+
+from __future__ import annotations
+
+from megatron_ext.config import parse_config
+from megatron_ext.memory.machine import target_machine
+from megatron_ext.memory.plan import plan_run
+from megatron_ext.memory.report import plan_metrics, plan_table
+
+FLAGS = ["--num-layers", "36", "--hidden-size", "6144", "--num-attention-heads", "48",
+         "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
+         "--global-batch-size", "64", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
+         "--vocab-size", "32000", "--bf16", "--grad-reduce-in-bf16",
+         "--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method",
+         "uniform", "--recompute-num-layers", "1", "--offload-optimizer",
+         "--offload-device-cache-gb", "auto"]
+
+
+def the_plan():
+    cfg = parse_config(FLAGS)
+    cfg.check_world(1)
+    cfg.offload.offload_paths = ["/nvme"]
+    return plan_run(cfg, 32001, 1, target_machine(150.1, 80, ["60@1.37,1.80"], 590.0))
+
+
+def test_table_has_a_row_per_tier_the_step_and_the_verdict():
+    text = plan_table(the_plan())
+    lines = text.splitlines()
+    assert lines[0].startswith("memory plan (offload mode, per rank of 1 on target; 16.52B "
+                               "parameters, 16.52B on the rank, TP=1 PP=1 DP=1; 10 B/element "
+                               "states in subgroups of 1 GB)")
+    assert [line.split("|")[0].strip() for line in lines[1:5]] == ["tier", "GPU", "host",
+                                                                    "path0"]
+    assert "device tier" in lines[2] and "at 1.37/1.80 GB/s" in lines[4]
+    assert lines[5].startswith("  step: forward+backward 30.1 s (1.77e+16 FLOPs at 590 "
+                               "TFLOP/s per GPU)")
+    assert lines[-1] == "  fits"
+
+
+def test_metrics_give_bytes_and_subgroups_per_tier():
+    plan = the_plan()
+    record = plan_metrics(plan)
+    assert record["memory/plan_gpu_bytes"] == plan.gpu.used
+    assert record["memory/plan_device_subgroups"] == plan.device_subgroups > 0
+    assert record["memory/plan_device_tier_bytes"] == plan.gpu.items["device tier"]
+    assert record["memory/plan_path0_subgroups"] == plan.paths[0].subgroups
+    assert record["memory/plan_state_bytes_per_element"] == 10
+    assert record["memory/plan_fits"] == 1.0
+    assert record["memory/plan_step_s"] == plan.step_s
+    assert all(isinstance(v, float) for v in record.values())
