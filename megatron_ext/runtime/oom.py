@@ -34,12 +34,14 @@ class Shortage:
         asked: bytes of the allocation that failed (None: not in the message).
         free: bytes free on that memory when it failed (None: unknown).
         total: the memory's size (None: unknown).
+        limit: the process's address-space limit (``ulimit -v``; None: unlimited).
     """
 
     device: str
     asked: Optional[int] = None
     free: Optional[int] = None
     total: Optional[int] = None
+    limit: Optional[int] = None
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -122,12 +124,22 @@ def read_meminfo() -> str:
         return ""
 
 
+def address_space_limit() -> Optional[int]:
+    """This process's ``ulimit -v`` in bytes (None: unlimited)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def shortage_of(exc: BaseException, kind: str, default_device: str = "cuda") -> Shortage:
     """The :class:`Shortage` of an out-of-memory error of ``kind`` (see :func:`classify`)."""
     message = str(exc)
     if kind == "device":
         return device_shortage(message, default_device)
-    return host_shortage(message, read_meminfo())
+    shortage = host_shortage(message, read_meminfo())
+    shortage.limit = address_space_limit()
+    return shortage
 
 
 def oom_line(shortage: Shortage, phase: str, advice: str) -> str:
@@ -138,6 +150,8 @@ def oom_line(shortage: Shortage, phase: str, advice: str) -> str:
     if shortage.free is not None:
         total = f" of {size_text(shortage.total)}" if shortage.total is not None else ""
         facts.append(f"{size_text(shortage.free)} {free}{total}")
+    if shortage.limit is not None:
+        facts.append(f"ulimit -v {size_text(shortage.limit)}")
     detail = f" ({', '.join(facts)})" if facts else ""
     tail = f": {advice}" if advice else ""
     return f"out of memory on {where} while {phase}{detail}{tail}"
