@@ -29,8 +29,8 @@ BOUND_S = 90
 """Seconds a failing run may take, start-up included (start-up is ~10-20 s on a loaded CI
 machine; a hang is forever)."""
 # Megatron-LM's default of 2 data-loader workers (TINY loads in the main process).
-RUN = [*TINY, "--num-workers", "2", "--train-iters", "6", "--global-batch-size", "4",
-       "--save-interval", "2"]
+START = [*TINY, "--num-workers", "2", "--train-iters", "6", "--global-batch-size", "4"]
+RUN = [*START, "--save-interval", "2"]
 OFFLOAD = [*BF16, "--use-distributed-optimizer", "--offload-optimizer",
            "--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036"]
 ZENFLOW = [*BF16, "--use-distributed-optimizer", "--zenflow", "--zenflow-update-interval", "1"]
@@ -175,7 +175,7 @@ def test_one_rank_fails_in_a_bare_launch(tmp_path):
 
 
 def test_ctrl_c_during_start_up():
-    proc = subprocess.Popen([sys.executable, PRETRAIN, *RUN], cwd=ROOT, env=test_env(),
+    proc = subprocess.Popen([sys.executable, PRETRAIN, *START], cwd=ROOT, env=test_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     time.sleep(2.0)
@@ -194,7 +194,7 @@ def test_host_out_of_memory_at_start_up():
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (700 << 20, resource.RLIM_INFINITY))
 
-    proc = subprocess.run([sys.executable, PRETRAIN, *RUN], cwd=ROOT, env=test_env(),
+    proc = subprocess.run([sys.executable, PRETRAIN, *START], cwd=ROOT, env=test_env(),
                           capture_output=True, text=True, timeout=120, preexec_fn=limit)
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if line.startswith("error:")]
@@ -210,8 +210,8 @@ def test_world_size_without_peers_fails_fast():
     env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, PRETRAIN, *RUN], cwd=ROOT, env=test_env(env),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, PRETRAIN, *START, "--global-batch-size", "8"],
+                          cwd=ROOT, env=test_env(env), capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert time.monotonic() - start < 75
@@ -221,7 +221,7 @@ def test_world_size_without_peers_fails_fast():
 
 
 def test_world_size_without_master_addr():
-    proc = subprocess.run([sys.executable, PRETRAIN, *RUN], cwd=ROOT,
+    proc = subprocess.run([sys.executable, PRETRAIN, *START, "--global-batch-size", "8"], cwd=ROOT,
                           env=test_env({"WORLD_SIZE": "2", "RANK": "0"}),
                           capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
