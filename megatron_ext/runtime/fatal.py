@@ -130,8 +130,10 @@ def phase_of(exc: BaseException, default: str = "running") -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The message's first line; for an error re-raised from a data-loader worker (its
-    traceback in the message), the worker's own last line."""
+    """The message's first line (and a data-loader worker's own last line).
+
+    An error re-raised from a worker carries the worker's traceback in its message.
+    """
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     if not lines:
         return ""
@@ -334,23 +336,23 @@ class PeerWatch(threading.Thread):
     def __init__(self, job: Job):
         super().__init__(name="megatron_ext-peer-watch", daemon=True)
         self.job = job
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def stop(self) -> None:
         """Stops watching (the run ends normally)."""
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         """Polls until stopped, or ends the process when another rank failed."""
         misses = 0
-        while not self._stop.wait(POLL_S):
+        while not self._halt.wait(POLL_S):
             try:
                 failed = self.job.store.check([self.job.failed_key])
                 misses = 0
             except Exception:  # noqa: BLE001 - the store's host is gone
                 misses += 1
                 failed = misses >= UNREACHABLE_POLLS
-            if not failed or self._stop.is_set():
+            if not failed or self._halt.is_set():
                 continue
             if self.job.failing:
                 return  # this rank reports and exits on its own

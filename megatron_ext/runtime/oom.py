@@ -125,7 +125,7 @@ def read_meminfo() -> str:
 
 
 def address_space_limit() -> Optional[int]:
-    """This process's ``ulimit -v`` in bytes (None: unlimited)."""
+    """The address-space limit of this process (``ulimit -v``) in bytes; None: unlimited."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)

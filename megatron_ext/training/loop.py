@@ -553,6 +553,8 @@ def pretrain(cfg) -> int:
         faults.arm(faults.Crashes())
         if cfg.training.manual_gc:
             gc.enable()
+    # The ranks leave at their own pace from here: a rank that is gone is no failure.
+    fatal.detach()
     trainer.close()
     shutdown()
     return status
