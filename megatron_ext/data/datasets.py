@@ -257,11 +257,34 @@ def _worker_ignores_exit_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def build_loader(dataset, consumed_samples: int, cfg,
-                 runtime) -> Optional[torch.utils.data.DataLoader]:
-    """A DataLoader over ``dataset`` starting at ``consumed_samples``."""
+class _CrashingDataset(torch.utils.data.Dataset):
+    """``dataset`` whose samples of an iteration raise the ``data`` crash (tests' faults).
+
+    It runs where the samples are loaded: in the loader's worker processes.
+    """
+
+    def __init__(self, dataset, crashes, global_batch_size: int):
+        self.dataset, self.crashes, self.gbs = dataset, crashes, global_batch_size
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.crashes.check("data", index // self.gbs + 1)
+        return self.dataset[index]
+
+
+def build_loader(dataset, consumed_samples: int, cfg, runtime,
+                 crashes=None) -> Optional[torch.utils.data.DataLoader]:
+    """A DataLoader over ``dataset`` starting at ``consumed_samples``.
+
+    ``crashes``: the run's injected crashes (:class:`~megatron_ext.runtime.faults.Crashes`),
+    whose ``data`` place fires in the loader's workers; None or no rule: none.
+    """
     if dataset is None or len(dataset) == 0:
         return None
+    if crashes is not None and any(rule[0] == "data" for rule in crashes.rules):
+        dataset = _CrashingDataset(dataset, crashes, cfg.training.global_batch_size)
     sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.training.micro_batch_size,
                                  runtime.dp_rank, runtime.dp)
     # A generator of its own: DataLoader draws its worker seed at every iter() from the

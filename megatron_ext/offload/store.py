@@ -36,7 +36,7 @@ from megatron_ext.offload.paths import TierSpec, check_free_space
 from megatron_ext.offload.plan import TierPlan
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.subgroups import Subgroup
-from megatron_ext.runtime.faults import Faults
+from megatron_ext.runtime.faults import Faults, crash_point
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,7 @@ class SubgroupStore:
     def read(self, subgroup: int, buffer: torch.Tensor, kind: str = "state",
              path: Optional[int] = None) -> None:
         """Reads a subgroup's file into ``buffer``: its state, or its gradients from ``path``."""
+        crash_point("offload-io")
         if kind == "state":
             path = self.location[subgroup]
         sg = self.subgroups[subgroup]
@@ -238,6 +239,7 @@ class SubgroupStore:
         Returns:
             The path the file is on.
         """
+        crash_point("offload-io")
         sg = self.subgroups[subgroup]
         payload = buffer[:self.sizes[subgroup]] if kind == "state" else buffer[:sg.numel]
         nbytes = payload.numel() * payload.element_size()

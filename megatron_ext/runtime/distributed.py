@@ -6,12 +6,21 @@ import dataclasses
 import datetime
 import os
 import random
+import sys
+import time
 
 import numpy as np
 import torch
 
 from megatron_ext.errors import UsageError
-from megatron_ext.runtime import slurm
+from megatron_ext.runtime import fatal, slurm
+
+BARE_RENDEZVOUS_S = 30.0
+"""How long the ranks of a launch without torchrun or Slurm wait for each other at the
+start. Started by hand or by a script, they start together; a WORLD_SIZE given to a single
+process by mistake then fails in seconds, not after --distributed-timeout-minutes."""
+RENDEZVOUS_NOTE_S = 30.0
+"""How often rank 0 says which ranks it still waits for."""
 
 
 @dataclasses.dataclass
@@ -100,18 +109,17 @@ def initialize(cfg) -> Runtime:
         device = torch.device("cuda", local)
         backend = "nccl"
     if not torch.distributed.is_initialized():
-        # A single process without a rendezvous address of its own needs no TCP store: an
-        # in-process one takes no port (a free port picked and then bound could be taken by
-        # another process in between: EADDRINUSE when several runs start at once).
-        store = (torch.distributed.HashStore() if world == 1
-                 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
-                 else None)
+        timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+        store = rendezvous(rank, world, timeout)
+        # The job's failure handling shares the store (runtime/fatal.py): its keys and
+        # the process group's (under torch's own prefix) do not meet.
+        fatal.attach(store, rank, world)
         torch.distributed.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world,
-            store=store,
-            timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+            store=torch.distributed.PrefixStore("default_pg", store),
+            timeout=timeout,
         )
     host_group = None
     if world > 1:  # on the CPU the default group is gloo already
@@ -145,6 +153,79 @@ def initialize(cfg) -> Runtime:
     return runtime
 
 
+def launcher() -> str:
+    """What started this process: ``torchrun``, ``slurm``, ``mpi`` or ``bare``."""
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"):
+        return "slurm"
+    if env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE"):
+        return "mpi"
+    return "bare"
+
+
+def rendezvous(rank: int, world: int, timeout: datetime.timedelta):
+    """The job's store, once every rank has reached it; a UsageError in one line if not.
+
+    One process without an address of its own gets an in-process store (no port: a free
+    port picked and then bound could be taken by another process in between). Otherwise
+    rank 0 hosts a TCP store at MASTER_ADDR:MASTER_PORT (under torchrun its agent does) and
+    every rank checks in; rank 0 says which ranks it waits for every
+    :data:`RENDEZVOUS_NOTE_S`. The wait is bounded by ``timeout`` under a launcher, by
+    :data:`BARE_RENDEZVOUS_S` for a launch by hand.
+    """
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if world == 1 and not (addr and port):
+        return torch.distributed.HashStore()
+    if not (addr and port):
+        raise UsageError(f"WORLD_SIZE={world} needs MASTER_ADDR and MASTER_PORT (the address "
+                         "of rank 0); launch with torchrun or srun, which set them, or unset "
+                         "WORLD_SIZE for a single process")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"MASTER_PORT={port}: not a port number; give a free TCP port")
+    by = launcher()
+    wait_s = timeout.total_seconds() if by != "bare" else min(BARE_RENDEZVOUS_S,
+                                                              timeout.total_seconds())
+    started = time.monotonic()
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        store = torch.distributed.TCPStore(
+            addr, int(port), world, is_master=rank == 0 and not agent,
+            timeout=datetime.timedelta(seconds=wait_s), wait_for_workers=False,
+            multi_tenant=not agent)
+    except (RuntimeError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"rank {rank} of {world}: cannot reach the job's store at "
+                         f"{addr}:{port} ({first}); check MASTER_ADDR/MASTER_PORT and that rank "
+                         "0 runs") from None
+    key = "megatron_ext/rendezvous/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if int(store.add(key, 1)) == world:
+        store.set(key + "/all", "1")
+    # Waits in the store (no polling); rank 0 wakes up to say what it waits for.
+    deadline = started + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            joined = int(store.add(key, 0))
+            raise UsageError(
+                f"WORLD_SIZE={world}: only {joined} of {world} ranks started within "
+                f"{wait_s:.0f} s ({by} launch, store at {addr}:{port}); start one process per "
+                "rank (torchrun --nproc-per-node, srun), or unset WORLD_SIZE for a single "
+                "process")
+        try:
+            store.wait([key + "/all"], datetime.timedelta(
+                seconds=min(left, RENDEZVOUS_NOTE_S) if rank == 0 else left))
+            break
+        except RuntimeError:  # torch's DistStoreError: this wait timed out
+            if rank == 0 and time.monotonic() < deadline:
+                joined = int(store.add(key, 0))
+                print(f"rank 0: waiting for {world - joined} of {world} ranks to start "
+                      f"({addr}:{port})", file=sys.stderr, flush=True)
+    store.set_timeout(timeout)
+    return store
+
+
 def set_seed(seed: int, runtime: Runtime) -> None:
     """Seeds every generator as Megatron-LM does (offset per pipeline stage)."""
     from megatron.core import tensor_parallel
@@ -160,9 +241,10 @@ def set_seed(seed: int, runtime: Runtime) -> None:
 
 
 def shutdown() -> None:
-    """Destroys the process groups (end of run)."""
+    """Destroys the process groups (end of run); the failure watch stops first."""
     from megatron.core import parallel_state
 
+    fatal.detach()
     if torch.distributed.is_initialized():
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()

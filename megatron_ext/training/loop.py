@@ -22,7 +22,9 @@ from megatron_ext.checkpoint import checkpointing as ckpt
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
+from megatron_ext.runtime import faults
 from megatron_ext.runtime.batch_schedule import BatchRamp
+from megatron_ext.runtime.fatal import during
 from megatron_ext.runtime.quiet import quiet_optional_dependencies
 from megatron_ext.runtime.signals import ExitSignalHandler
 from megatron_ext.runtime.to_host import ToHost
@@ -37,6 +39,13 @@ from megatron_ext.training.metrics import (
     num_parameters,
 )
 from megatron_ext.training.profiling import Profiler
+from megatron_ext.training.reductions import (
+    _global_mean,
+    _global_sum,
+    _mean,
+    _params_norm,
+    _sum_reports,
+)
 from megatron_ext.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("megatron_ext")
@@ -48,31 +57,6 @@ def _setup_logging(rank: int) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
     # Mock datasets have no cache directory; megatron-core warns about it per split.
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-
-
-def _params_norm(model_chunks) -> float:
-    """L2 norm of the model's parameters in fp32, over all tensor/pipeline-parallel ranks.
-
-    Each parameter counts once: TP-duplicated ones (norms, biases of row-parallel layers)
-    only on TP rank 0, the embedding shared with the output layer only on the first stage.
-    """
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.module import param_is_not_shared
-
-    square = None
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            if not (param_is_not_shared(param)
-                    and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)):
-                continue
-            value = param.detach().float().pow(2).sum()
-            square = value if square is None else square + value
-    if square is None:
-        square = torch.zeros((), device=next(model_chunks[0].parameters()).device)
-    square = square.reshape(1)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(square, group=parallel_state.get_model_parallel_group())
-    return float(square.sqrt().item())
 
 
 def _empty_cache(runtime) -> None:
@@ -103,39 +87,17 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def _forward_step(device, data_iterator, model):
-    batch = _to_device(next(data_iterator), device)
+def _forward_step(device, iteration, data_iterator, model):
+    """One micro-batch's forward; ``iteration`` is None in evaluation (for the crash faults)."""
+    with during("loading data"):
+        batch = next(data_iterator)
+    batch = _to_device(batch, device)
+    if iteration is not None:
+        faults.crash_point("forward", iteration)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    if iteration is not None:
+        output = faults.crashes_in_backward(output, iteration)
     return output, functools.partial(_loss_func, batch["loss_mask"])
-
-
-def _sum_reports(losses_reduced, device) -> torch.Tensor:
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for report in losses_reduced:
-        total += report["lm loss"].to(total.dtype)
-    return total
-
-
-def _global_sum(local_sum_count: torch.Tensor) -> ToHost:
-    """Sums (loss, tokens) over all ranks; the result on its way to the host.
-
-    Other pipeline stages contribute zeros; TP ranks of the last stage contribute equal
-    copies, which leave the ratio unchanged.
-    """
-    total = local_sum_count.clone()
-    torch.distributed.all_reduce(total)
-    return ToHost(total)
-
-
-def _mean(total: ToHost) -> float:
-    """Token-weighted mean of a :func:`_global_sum`."""
-    loss, tokens = total.get().tolist()
-    return loss / tokens if tokens > 0 else float("nan")
-
-
-def _global_mean(local_sum_count: torch.Tensor) -> float:
-    """Token-weighted mean over the data-parallel ranks of the last pipeline stage."""
-    return _mean(_global_sum(local_sum_count))
 
 
 def _deterministic(runtime) -> None:
@@ -284,20 +246,22 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg = self.cfg
+        it = self.state.iteration + 1
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         watch = Stopwatch()
-        losses = get_forward_backward_func()(
-            forward_step_func=functools.partial(_forward_step, self.runtime.device),
-            data_iterator=data_iterator,
-            model=self.model,
-            num_microbatches=self.num_microbatches,
-            seq_length=cfg.model.seq_length,
-            micro_batch_size=cfg.training.micro_batch_size,
-            forward_only=False,
-        )
-        self._synchronize()
+        with during(f"running forward and backward (iteration {it})"):
+            losses = get_forward_backward_func()(
+                forward_step_func=functools.partial(_forward_step, self.runtime.device, it),
+                data_iterator=data_iterator,
+                model=self.model,
+                num_microbatches=self.num_microbatches,
+                seq_length=cfg.model.seq_length,
+                micro_batch_size=cfg.training.micro_batch_size,
+                forward_only=False,
+            )
+            self._synchronize()
         t_fb = watch.lap()
         if cfg.training.empty_unused_memory_level >= 1:
             _empty_cache(self.runtime)
@@ -311,8 +275,10 @@ class Trainer:
                 reads["loss"] = _global_sum(interval_loss)
             if step_loss:
                 reads["step_loss"] = _global_sum(step_sum)
-        ok, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
-        self._synchronize()
+        with during(f"taking the optimizer step (iteration {it})"):
+            faults.crash_point("optimizer", it)
+            ok, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
+            self._synchronize()
         t_opt = watch.lap()
         if cfg.training.empty_unused_memory_level >= 2:
             _empty_cache(self.runtime)
@@ -338,7 +304,8 @@ class Trainer:
         with torch.no_grad(), self._params_gathered():
             for _ in range(cfg.training.eval_iters):
                 losses = get_forward_backward_func()(
-                    forward_step_func=functools.partial(_forward_step, self.runtime.device),
+                    forward_step_func=functools.partial(_forward_step, self.runtime.device,
+                                                        None),
                     data_iterator=it, model=self.model, num_microbatches=self.eval_microbatches,
                     seq_length=cfg.model.seq_length,
                     micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
@@ -353,7 +320,8 @@ class Trainer:
         if not self.cfg.checkpoint.save:
             return
         watch = Stopwatch()
-        with self._params_gathered():
+        with during(f"saving the checkpoint of iteration {self.state.iteration}"), \
+                self._params_gathered():
             path = ckpt.save_checkpoint(self.cfg.checkpoint.save, self.state, self.model,
                                         self.optimizer, self.scheduler, self.cfg, self.runtime)
         self.last_saved = self.state.iteration
@@ -437,7 +405,8 @@ class Trainer:
             log.info("no training: iteration %d, --train-iters %d", self.state.iteration,
                      train.train_iters)
         consumed = self.state.consumed_train_samples
-        data_iterator = self._data_iterator(lambda: build_loader(self.train_ds, consumed, cfg, rt))
+        data_iterator = self._data_iterator(lambda: build_loader(self.train_ds, consumed, cfg, rt,
+                                                                 faults.armed()))
         self.last_saved = self.state.iteration
         interval_loss = torch.zeros(2, dtype=torch.float64, device=rt.device)
         iters = skipped = samples = 0
@@ -450,6 +419,7 @@ class Trainer:
         with ExitSignalHandler() as signals, profiler:
             while self.state.iteration < train.train_iters:
                 it = self.state.iteration + 1
+                faults.armed().reached(it)
                 if self._next_batch():
                     window.lap()
                 profiler.before(it)
@@ -539,7 +509,8 @@ class Trainer:
         manual_gc = self.cfg.training.manual_gc and self.cfg.training.manual_gc_eval
         if manual_gc:
             gc.collect()
-        loss = self.evaluate()
+        with during(f"evaluating (iteration {self.state.iteration})"):
+            loss = self.evaluate()
         if manual_gc:
             gc.collect()
         ppl = math.exp(min(20.0, loss)) if not math.isnan(loss) else float("nan")
@@ -560,19 +531,38 @@ class Trainer:
 
 
 def pretrain(cfg) -> int:
-    """Trains a GPT as configured; returns the process exit status."""
+    """Trains a GPT as configured; returns the process exit status.
+
+    A failure is reported at once, in one line for the whole job
+    (:func:`megatron_ext.runtime.fatal.announce`), the run's writers and threads are closed
+    with a bound, and the exception goes on to the entry point, which ends the process.
+    """
+    from megatron_ext.runtime import fatal
     from megatron_ext.runtime.distributed import shutdown
+    from megatron_ext.training.oom_advice import oom_advice
 
     quiet_optional_dependencies()
-    trainer = Trainer(cfg)
-    if cfg.training.manual_gc:
-        # Collections at fixed points only, so that ranks pause together (Megatron-LM).
-        gc.disable()
-        gc.collect()
+    trainer = None
     try:
-        return trainer.train()
+        with during("starting up"):
+            trainer = Trainer(cfg)
+        faults.arm(faults.Crashes(cfg.faults.crash, trainer.runtime.rank))
+        if cfg.training.manual_gc:
+            # Collections at fixed points only, so that ranks pause together (Megatron-LM).
+            gc.disable()
+            gc.collect()
+        status = trainer.train()
+    except BaseException as exc:
+        fatal.announce(exc, functools.partial(oom_advice, cfg))
+        if trainer is not None:
+            fatal.bounded(trainer.close)
+        raise
     finally:
+        faults.arm(faults.Crashes())
         if cfg.training.manual_gc:
             gc.enable()
-        trainer.close()
-        shutdown()
+    # The ranks leave at their own pace from here: a rank that is gone is no failure.
+    fatal.detach()
+    trainer.close()
+    shutdown()
+    return status

@@ -30,6 +30,7 @@ import torch
 
 from megatron_ext.optim.adamw import unscale_and_clip
 from megatron_ext.runtime import host_kernels
+from megatron_ext.runtime.faults import crash_point
 from megatron_ext.zenflow.config import ZenFlowConfig
 from megatron_ext.zenflow.cpu_affinity import default_threads, host_cpus
 from megatron_ext.zenflow.cpu_states import CpuStates, HostCpuStates
@@ -279,6 +280,7 @@ class CpuWorker:
 
         def task():
             try:
+                crash_point("zenflow-worker")
                 for entry in batch:
                     if entry.ready is not None:
                         entry.ready()
@@ -303,6 +305,7 @@ class CpuWorker:
         self.kick()
 
         def task():
+            crash_point("zenflow-worker")
             if ready is not None:
                 ready()
             self.acc_steps[buffer] = steps
@@ -382,6 +385,7 @@ class CpuWorker:
         hp = [dict(h) for h in hparams]
 
         def task():
+            crash_point("zenflow-worker")
             if last is not None:
                 last.result()
             self._guard_upload()

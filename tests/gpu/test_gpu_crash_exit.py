@@ -1,0 +1,40 @@
+"""A real CUDA out-of-memory ends the run in seconds with one line (run on the GPU machine).
+
+The model fits; the first forward's activations do not (a 32k sequence, 64 micro-batch
+samples, unfused attention's score matrices: hundreds of GiB). On main's code this printed
+a 60-line traceback and, with the data-loader workers running, never exited.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mext_testing import BF16, GPU_TINY, PRETRAIN, ROOT, test_env
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
+
+HUGE = [*GPU_TINY, *BF16, "--num-workers", "2", "--seq-length", "32768",
+        "--max-position-embeddings", "32768", "--micro-batch-size", "64",
+        "--global-batch-size", "64", "--attention-backend", "unfused", "--train-iters", "2"]
+
+
+def test_cuda_out_of_memory_is_one_line_and_exits():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, PRETRAIN, *HUGE], cwd=ROOT, env=test_env(),
+                          capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, out[-4000:]
+    assert len(errors) == 1, out[-4000:]
+    assert errors[0].startswith("error: out of memory on cuda:0 while running forward and "
+                                "backward (iteration 1) (asked "), errors[0]
+    assert " free of " in errors[0] and "a smaller --micro-batch-size" in errors[0]
+    assert "Traceback" not in out
+    assert elapsed < 180, elapsed
