@@ -203,12 +203,15 @@ def take(root: Optional[str], runtime) -> Optional[SaveLock]:
     """
     if not root:
         return None
-    held, refusal = None, None
+    held, refusal, failure = None, None, None
     if runtime.rank == 0:
         try:
             held = SaveLock(root, created_root=not os.path.exists(root))
         except UsageError as err:
             refusal = str(err)
+        except Exception as err:  # noqa: BLE001 - re-raised below, once the others know
+            failure = err
+            refusal = f"--save {root}: rank 0 could not lock it ({type(err).__name__})"
     if runtime.world_size > 1:
         import torch
 
@@ -217,6 +220,8 @@ def take(root: Optional[str], runtime) -> Optional[SaveLock]:
         box = [refusal]
         torch.distributed.broadcast_object_list(box, src=0, group=runtime.host_group)
         refusal = box[0]
+    if failure is not None:
+        raise failure
     if refusal is not None:
         raise UsageError(refusal)
     return held

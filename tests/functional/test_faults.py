@@ -123,7 +123,7 @@ def test_a_deleted_integrity_manifest_is_refused_not_loaded_unverified(saved, tm
     data = bytearray((ck / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0x01
     (ck / "__0_0.distcp").write_bytes(bytes(data))
-    proc = run([*FLAGS, "--train-iters", "6", "--load", root])
+    proc = run([*FLAGS, "--train-iters", "6", "--override-opt_param-scheduler", "--load", root])
     one_error_line(proc, f"{ck / 'integrity.json'}: missing, though its common state",
                    f"the previous good checkpoint is {root / 'iter_0000002'}",
                    f"echo 2 > {root / POINTER}")
@@ -134,7 +134,7 @@ def test_a_pointer_to_a_deleted_iteration_names_the_newest_complete_checkpoint(s
     root = copy_of(saved, tmp_path)
     shutil.rmtree(root / "iter_0000004")
     (root / "iter_0000003").mkdir()  # a folder that is no checkpoint is not named
-    proc = run([*FLAGS, "--train-iters", "6", "--load", root])
+    proc = run([*FLAGS, "--train-iters", "6", "--override-opt_param-scheduler", "--load", root])
     one_error_line(proc, f"{POINTER} names iteration 4 but {root / 'iter_0000004'} does not "
                    f"exist; the newest complete checkpoint is {root / 'iter_0000002'}: resume "
                    f"from it with 'echo 2 > {root / POINTER}'")

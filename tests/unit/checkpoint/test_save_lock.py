@@ -139,3 +139,18 @@ def test_job_id():
 
 def test_take_without_save_takes_nothing():
     assert save_lock.take(None, runtime=None) is None
+
+
+def test_take_on_rank_0_holds_it_and_refuses_a_second_run(tmp_path):
+    from types import SimpleNamespace
+
+    one = SimpleNamespace(rank=0, world_size=1, host_group=None)
+    root = tmp_path / "new"
+    held = save_lock.take(str(root), one)
+    try:
+        assert (root / LOCK_NAME).is_file()
+        with pytest.raises(UsageError, match="is in use by another running job"):
+            save_lock.take(str(root), one)
+    finally:
+        held.release()
+    assert not root.exists()  # created at start-up, nothing saved: removed again
