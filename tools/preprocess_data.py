@@ -19,7 +19,8 @@ process's reading and writing the rest), so the run scales with the workers.
 Failure handling: output goes to temporary files next to the final ones
 (``{output_prefix}_{K}_document.tmp-PID.bin/.idx``) that are renamed only once every line
 is written. On a malformed line (``--on-error fail``, the default), an exception, Ctrl-C
-or SIGTERM, the temporary files are removed, so nothing is left under the output prefix.
+or SIGTERM, or a full disk (one ``error:`` line), the temporary files are removed, so
+nothing is left under the output prefix.
 A worker that dies (e.g. killed for lack of memory) stops the run the same way. Only
 SIGKILL of the main process leaves its ``.tmp-PID`` files behind (nothing can catch it);
 they are safe to delete, and its workers exit within a second.
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import errno
 import glob
 import gzip
 import itertools
@@ -319,6 +322,10 @@ def training_difference(tokenizer, tokenizer_args: dict) -> Optional[str]:
             f"{'; '.join(what)}. --legacy-tokenizer writes the training ids")
 
 
+# Errors of the output's storage, reported in one line (the temporary files removed).
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+
+
 def output_prefixes(output_prefix: str, keys: Sequence[str]) -> Dict[str, str]:
     """Megatron-LM's dataset prefix per json key: ``{output_prefix}_{key}_document``."""
     return {key: f"{output_prefix}_{key}_document" for key in keys}
@@ -396,13 +403,17 @@ class DatasetWriter:
         return written
 
     def abort(self) -> None:
-        """Closes and removes every temporary file."""
-        if self._builders is not None:
-            for builder in self._builders.values():
-                builder.data_file.close()
-        self._builders = None
-        remove_quietly([tmp + suffix for tmp in self._tmp_prefixes.values()
-                        for suffix in (".bin", ".idx")])
+        """Closes and removes every temporary file (also when the disk is full)."""
+        builders, self._builders = self._builders, None
+        try:
+            for builder in (builders or {}).values():
+                # Closing flushes the buffer, which fails on a full disk; the file is
+                # closed all the same, and removed below.
+                with contextlib.suppress(OSError):
+                    builder.data_file.close()
+        finally:
+            remove_quietly([tmp + suffix for tmp in self._tmp_prefixes.values()
+                            for suffix in (".bin", ".idx")])
 
 
 class Progress:
@@ -664,6 +675,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except BrokenProcessPool:
         raise ToolError("a worker process died (killed, e.g. for lack of memory); nothing "
                         "was written. Retry with fewer --workers") from None
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        raise ToolError(f"--output-prefix {args.output_prefix}: writing the dataset failed: "
+                        f"{os.strerror(err.errno)}; nothing was written (the temporary files "
+                        "are removed): free space there, or give another --output-prefix"
+                        ) from None
     finally:
         if not committed:
             for future in pending:

@@ -159,3 +159,68 @@ def apply_settings(common: dict, model_cfg, path: str):
     for field, value in changes.items():
         log.info("Setting %s to %s from checkpoint", field, value)
     return dataclasses.replace(model_cfg, **changes), [f"{k}={v}" for k, v in changes.items()]
+
+
+# The distributed optimizer's sharding types that load at another TP/PP (megatron-core's
+# DistributedOptimizer.checkpoint_fully_reshardable_formats at core_v0.16.1); the others
+# (dp_reshardable, which this project and Megatron-LM write by default, and
+# dp_zero_gather_scatter) follow the optimizer's buffers, which depend on TP and PP.
+FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
+
+
+def saved_layout(common: dict) -> Optional[Tuple[int, int]]:
+    """(TP, PP) the checkpoint was saved at (None when it does not record it).
+
+    From Megatron-LM's ``args``, else this project's saved config (format 1).
+    """
+    args = common.get("args")
+    if args is not None:
+        return (getattr(args, "tensor_model_parallel_size", 1),
+                getattr(args, "pipeline_model_parallel_size", 1))
+    parallel = (common.get("config") or {}).get("parallel") or {}
+    if "tensor_model_parallel_size" in parallel:
+        return (parallel["tensor_model_parallel_size"],
+                parallel.get("pipeline_model_parallel_size", 1))
+    return None
+
+
+def optimizer_sharding(common: dict, metadata: Optional[dict]) -> Optional[str]:
+    """The sharding type of the checkpoint's distributed-optimizer state (None: not one).
+
+    From the content metadata; for a checkpoint without it (Megatron-LM before mcore 0.13),
+    Megatron-LM's own rule from its ``args``.
+    """
+    if metadata and metadata.get("distrib_optim_sharding_type"):
+        return metadata["distrib_optim_sharding_type"]
+    args = common.get("args")
+    if metadata is None and getattr(args, "use_distributed_optimizer", False):
+        return ("fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False)
+                else "dp_zero_gather_scatter")
+    return None
+
+
+def check_optimizer_layout(common: dict, metadata: Optional[dict], tp: int, pp: int,
+                           path: str) -> None:
+    """Refuses an optimizer state that does not load at this run's TP and PP. Pure.
+
+    A distributed-optimizer state of a sharding type outside :data:`FULLY_RESHARDABLE`
+    loads only at the TP and PP it was saved at (Megatron-LM refuses it too); megatron-core
+    would fail deep in the load with a CheckpointingException. The model weights load at
+    any layout (dist_checkpointing reshards them).
+
+    Raises:
+        UsageError: the layouts differ and the state cannot be resharded.
+    """
+    saved = saved_layout(common)
+    sharding = optimizer_sharding(common, metadata)
+    if saved is None or tuple(saved) == (tp, pp) or sharding is None \
+            or sharding in FULLY_RESHARDABLE:
+        return
+    raise UsageError(
+        f"--load {path}: its optimizer state was saved at TP={saved[0]} PP={saved[1]} by the "
+        f"distributed optimizer ({sharding} sharding), which loads only at the same tensor "
+        f"and pipeline parallel sizes; this run has TP={tp} PP={pp}: resume with "
+        f"--tensor-model-parallel-size {saved[0]} --pipeline-model-parallel-size {saved[1]}, "
+        "or add --no-load-optim (the model weights and the iteration load at any layout; "
+        "the optimizer starts fresh)")
+

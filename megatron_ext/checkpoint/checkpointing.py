@@ -236,6 +236,8 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
         # What --use-checkpoint-args and the settings check read (the tokenizer's vocabulary
         # padded as the model has it).
         "padded_vocab_size": padded_vocab,
+        # A promise that integrity.json is written (a load without it refuses the rest).
+        integrity.COMMON_KEY: integrity.MANIFEST,
     })
     try:
         with shielded_helpers():
@@ -335,8 +337,12 @@ def latest_checkpoint(root: str) -> Optional[str]:
         return None
     path = checkpoint_name(root, iteration)
     if not os.path.isdir(path):
+        found = integrity.newest_good(root)
+        advice = (integrity.resume_advice(*found, what="newest complete") if found else
+                  "no complete checkpoint is there: restore that folder, or drop --load to "
+                  "start from scratch")
         raise UsageError(f"--load {root}: {TRACKER} names iteration {iteration} but "
-                         f"{path} does not exist")
+                         f"{path} does not exist; {advice}")
     return path
 
 
@@ -368,6 +374,10 @@ def prepare_load(path: str, cfg, runtime) -> dict:
     """
     integrity.verify(path, runtime.host_group)
     common = _read_common(path)
+    # Before the model and optimizer are built: what of the checkpoint loads, and whether
+    # its optimizer state fits this run's layout.
+    _format_of(common, path)
+    _loads_optimizer(common, cfg, runtime, path)
     if cfg.checkpoint.use_checkpoint_args:
         cfg.model, taken = checkpoint_args.apply_settings(common, cfg.model, path)
         cfg.check_world(runtime.world_size)
@@ -388,6 +398,50 @@ def _optimizer_kind(config) -> str:
     Their checkpoint states differ.
     """
     return mode_of(config).words
+
+
+def _format_of(common: dict, path: str) -> float:
+    """The checkpoint's format version, refused when this version does not read it."""
+    version = common.get("checkpoint_version")
+    if version not in (FORMAT_VERSION, LEGACY_FORMAT):
+        raise UsageError(f"--load {path}: checkpoint_version {version!r} is not one this version "
+                         f"reads ({FORMAT_VERSION}: Megatron-LM's and this project's torch_dist "
+                         f"checkpoints; {LEGACY_FORMAT}: this project's earlier format)")
+    return version
+
+
+def _loads_optimizer(common: dict, cfg, runtime, path: str) -> bool:
+    """Whether the load takes the checkpoint's optimizer state; refuses one that cannot be.
+
+    Raises:
+        UsageError: the flags ask for what the checkpoint does not hold (a weights-only
+            checkpoint without --finetune, an optimizer state saved with --no-save-optim),
+            or its optimizer state is another mode's or of another TP/PP layout.
+    """
+    from megatron.core import dist_checkpointing
+
+    ck = cfg.checkpoint
+    # A weights-only checkpoint (tools/convert_checkpoint.py --from hf) has no optimizer,
+    # scheduler or data position to resume.
+    weights_only = bool(common.get("weights_only"))
+    if weights_only and not ck.finetune and not cfg.training.skip_train:
+        raise UsageError(f"--load {path}: this checkpoint holds model weights only (converted "
+                         "from Hugging Face); add --finetune to train from it")
+    saved_optim = not getattr(common.get("args"), "no_save_optim", False)
+    with_optimizer = ck.load_optim and not ck.finetune and not weights_only and saved_optim
+    if ck.load_optim and not ck.finetune and not weights_only and not saved_optim:
+        raise UsageError(f"--load {path}: the checkpoint holds no optimizer state (saved with "
+                         "--no-save-optim); add --no-load-optim or --finetune")
+    if with_optimizer:
+        saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg)
+        if saved != now:
+            raise UsageError(f"--load {path}: its optimizer state was saved by {saved} and this "
+                             f"run uses {now}; add --finetune (model weights only) or "
+                             "--no-load-optim (weights and iteration) to start a fresh optimizer")
+        checkpoint_args.check_optimizer_layout(
+            common, dist_checkpointing.load_content_metadata(preloaded_state_dict=common),
+            runtime.tp, runtime.pp, path)
+    return with_optimizer
 
 
 def _same_layout(common: dict, legacy: bool, runtime) -> bool:
@@ -467,30 +521,10 @@ def load_checkpoint(path: str, model_chunks, optimizer, scheduler, cfg, runtime,
     if not verified:
         integrity.verify(path, runtime.host_group)
     common = _read_common(path)
-    version = common.get("checkpoint_version")
-    if version not in (FORMAT_VERSION, LEGACY_FORMAT):
-        raise UsageError(f"--load {path}: checkpoint_version {version!r} is not one this version "
-                         f"reads ({FORMAT_VERSION}: Megatron-LM's and this project's torch_dist "
-                         f"checkpoints; {LEGACY_FORMAT}: this project's earlier format)")
-    legacy = version == LEGACY_FORMAT
-    # A weights-only checkpoint (tools/convert_checkpoint.py --from hf) has no optimizer,
-    # scheduler or data position to resume.
+    legacy = _format_of(common, path) == LEGACY_FORMAT
     weights_only = bool(common.get("weights_only"))
-    if weights_only and not ck.finetune and not cfg.training.skip_train:
-        raise UsageError(f"--load {path}: this checkpoint holds model weights only (converted "
-                         "from Hugging Face); add --finetune to train from it")
     args = common.get("args")
-    saved_optim = not getattr(args, "no_save_optim", False)
-    with_optimizer = ck.load_optim and not ck.finetune and not weights_only and saved_optim
-    if ck.load_optim and not ck.finetune and not weights_only and not saved_optim:
-        raise UsageError(f"--load {path}: the checkpoint holds no optimizer state (saved with "
-                         "--no-save-optim); add --no-load-optim or --finetune")
-    if with_optimizer:
-        saved, now = _optimizer_kind(common.get("config", {})), _optimizer_kind(cfg)
-        if saved != now:
-            raise UsageError(f"--load {path}: its optimizer state was saved by {saved} and this "
-                             f"run uses {now}; add --finetune (model weights only) or "
-                             "--no-load-optim (weights and iteration) to start a fresh optimizer")
+    with_optimizer = _loads_optimizer(common, cfg, runtime, path)
     # The metadata the checkpoint was written with decides the optimizer's keys (as
     # Megatron-LM's load_checkpoint reads it back).
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}

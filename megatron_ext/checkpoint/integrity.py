@@ -11,7 +11,11 @@ damage of any kind (a flipped byte, a truncated, empty, missing or replaced file
 damaged manifest) is refused with one line that names the file and the newest older
 checkpoint under the same directory that still verifies. A checkpoint without a manifest
 (written before this format, or by Megatron-LM) loads as before, with a log line saying it
-was not verified.
+was not verified; but one whose common state carries :data:`COMMON_KEY` (every checkpoint
+this project saves since the key exists) promised a manifest, and its missing manifest is
+damage like any other missing file: refused in the same line, as nothing in it can be
+verified. (There is no flag to load it unverified: restore ``integrity.json``, e.g. from
+the copy it came from, or resume from the previous good checkpoint the line names.)
 
 Hashing is shared out among the ranks (each hashes every world-size-th file, the results
 are gathered over the host group), so a large checkpoint costs one read of it in total.
@@ -40,6 +44,9 @@ from megatron_ext.optim.modes import checkpoint_problems
 log = logging.getLogger(__name__)
 
 MANIFEST = "integrity.json"
+# The common-state key (value: MANIFEST) by which a checkpoint says it was saved with a
+# manifest: without the file, such a checkpoint is refused rather than loaded unverified.
+COMMON_KEY = "integrity_manifest"
 FORMAT = "megatron_ext-integrity"
 VERSION = 1
 _CHUNK = 8 << 20
@@ -264,12 +271,67 @@ def find_problems(directory: str, group=None) -> Tuple[Optional[bool], List[Tupl
     except ValueError as err:
         return None, [(MANIFEST, f"integrity manifest {err}")]
     if expected is None:
+        if promises_manifest(directory):
+            return False, [(MANIFEST, "missing, though its common state (common.pt) says it was "
+                                      "saved with one, so none of its files can be verified")]
         return False, checkpoint_problems(directory)
     actual = _digests(directory, sorted(expected), rank, world, group)
     problems = compare(expected, actual)
     if not problems:
         problems = checkpoint_problems(directory)
     return True, problems
+
+
+def promises_manifest(directory: str) -> bool:
+    """Whether the checkpoint's common state says it was saved with a manifest.
+
+    Read with weights_only (megatron-core's loader, torch's default); a common state that
+    cannot be read promises nothing here (the load then refuses it in one line).
+    """
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+    except Exception:  # noqa: BLE001 - damaged or missing: the load names it
+        return False
+    return isinstance(common, dict) and common.get(COMMON_KEY) == MANIFEST
+
+
+def iterations(root: str) -> List[int]:
+    """The iterations of the ``iter_NNNNNNN`` folders under ``root``, newest first."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    found = [int(m.group(1)) for m in map(_ITER_DIR.match, entries)
+             if m and os.path.isdir(os.path.join(root, m.group(0)))]
+    return sorted(found, reverse=True)
+
+
+def newest_good(root: str, below: Optional[int] = None) -> Optional[Tuple[str, bool]]:
+    """The newest complete checkpoint under the --save root ``root`` that verifies.
+
+    Complete: dist_checkpointing's ``metadata.json`` is there (a folder without it was
+    never a checkpoint, or lost its files); verifies: :func:`find_problems` finds none.
+
+    Args:
+        root: the directory of the ``iter_NNNNNNN`` folders.
+        below: only iterations below this one.
+
+    Returns:
+        (its path, whether it has a manifest), or None when there is none. Local to this
+        process (used on the error path only).
+    """
+    for iteration in iterations(root):
+        if below is not None and iteration >= below:
+            continue
+        path = os.path.join(root, f"iter_{iteration:07d}")
+        if not os.path.isfile(os.path.join(path, "metadata.json")):
+            continue
+        has_manifest, problems = find_problems(path)
+        if not problems:
+            return path, bool(has_manifest)
+    return None
 
 
 def previous_good(directory: str) -> Optional[Tuple[str, bool]]:
@@ -279,36 +341,24 @@ def previous_good(directory: str) -> Optional[Tuple[str, bool]]:
         (its path, whether it has a manifest), or None when there is none. Local to this
         process (used on the error path only).
     """
-    root = os.path.dirname(os.path.abspath(directory))
     match = _ITER_DIR.match(os.path.basename(os.path.abspath(directory)))
-    current = int(match.group(1)) if match else None
-    candidates = []
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return None
-    for name in entries:
-        m = _ITER_DIR.match(name)
-        if m and os.path.isdir(os.path.join(root, name)) and (
-                current is None or int(m.group(1)) < current):
-            candidates.append((int(m.group(1)), name))
-    for _, name in sorted(candidates, reverse=True):
-        path = os.path.join(root, name)
-        has_manifest, problems = find_problems(path)
-        if not problems:
-            return path, bool(has_manifest)
-    return None
+    return newest_good(os.path.dirname(os.path.abspath(directory)),
+                       below=int(match.group(1)) if match else None)
+
+
+def resume_advice(path: str, verified: bool, what: str = "previous good") -> str:
+    """How to resume from the checkpoint ``path``: the command that points 'latest' at it."""
+    iteration = int(_ITER_DIR.match(os.path.basename(path)).group(1))
+    tracker = os.path.join(os.path.dirname(path), "latest_checkpointed_iteration.txt")
+    return (f"the {what} checkpoint is {path}{'' if verified else ' (no manifest)'}: "
+            f"resume from it with 'echo {iteration} > {tracker}'")
 
 
 def _advice(directory: str) -> str:
     found = previous_good(directory)
     if found is None:
         return "no older checkpoint there verifies: start from scratch or restore a copy"
-    path, verified = found
-    iteration = int(_ITER_DIR.match(os.path.basename(path)).group(1))
-    tracker = os.path.join(os.path.dirname(path), "latest_checkpointed_iteration.txt")
-    return (f"the previous good checkpoint is {path}{'' if verified else ' (no manifest)'}: "
-            f"resume from it with 'echo {iteration} > {tracker}'")
+    return resume_advice(*found)
 
 
 def verify(directory: str, group=None) -> bool:

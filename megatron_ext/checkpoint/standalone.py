@@ -222,7 +222,8 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
     """Saves ``model`` as a weights-only checkpoint (iteration 0) under ``root``.
 
     pretrain_gpt.py loads it with ``--load ROOT --finetune`` (and the model flags the
-    config holds). Written to a temporary folder and renamed, then the pointer.
+    config holds). Written to a temporary folder with its integrity manifest and renamed,
+    then the pointer.
 
     Returns:
         the iteration folder.
@@ -230,6 +231,7 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint import checkpointing as ckpt
+    from megatron_ext.checkpoint import integrity
 
     final = ckpt.checkpoint_name(root, 0)
     tmp = final + ".tmp"
@@ -244,8 +246,10 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
         "config": {"model": dataclasses.asdict(cfg.model)},
         "world_size": 1,
         WEIGHTS_ONLY: True,
+        integrity.COMMON_KEY: integrity.MANIFEST,
     }
     dist_checkpointing.save(state, tmp)
+    integrity.write_manifest(tmp)
     ckpt.publish(root, tmp, final, 0)
     return final
 

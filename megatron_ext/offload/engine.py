@@ -89,11 +89,12 @@ class OffloadEngine:
         self._param_pieces: Optional[Dict[int, list]] = None
         self.total_numel = sum(numels)
         self.initialized = False
-        self.tiers = list(tiers)
+        # DIR/megatron_ext-USER/JOB/rankNNNNN per path: checked and locked first (a path
+        # too full for even that is skipped, with a warning).
+        jobdirs = JobDirs([t.path for t in tiers], run_id, rank)
+        self.tiers = [t for t in tiers if t.path in jobdirs.bases]
         self.stats = StepStats(len(self.tiers))
         self._lock_wait_seen = 0.0
-        # DIR/megatron_ext-USER/JOB/rankNNNNN per path: checked and locked first.
-        jobdirs = JobDirs([t.path for t in self.tiers], run_id, rank)
         # Bytes of each subgroup's state (its file's payload), in the layout's dtypes.
         self.sizes = [self.layout.nbytes(sg.numel) for sg in self.subgroups]
         self.buffer_bytes = self.layout.nbytes(self.max_numel)

@@ -26,6 +26,10 @@ The rules, kept by :class:`JobDirs`:
   names its holder's host: a directory locked from another host is never removed (on a
   file system whose flock is node-local, e.g. Lustre's ``localflock``, a free lock there
   says nothing).
+- **A full path at start** (ENOSPC or EDQUOT while a component or the lock file is
+  created or written) is skipped with a warning when another listed path could be set up,
+  and what was created on it is removed again; with no usable path left the run is refused
+  in one line (:attr:`JobDirs.bases` are the paths kept, :attr:`JobDirs.skipped` the others).
 - **At the end** a rank removes its rank directory, then the job directory and
   ``megatron_ext-USER`` when they are empty (other ranks and jobs share them).
 - Set-up, the end and the stale scan of one user's directory are serialized by a flock on
@@ -61,6 +65,8 @@ RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 LOCK_NAME = ".lock"
 SETUP_LOCK_NAME = ".setup.lock"
 _RANK_RE = re.compile(r"rank\d{5}")
+# A path that cannot take even a lock file: skipped at start when another path can.
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _OWN = "give --offload-paths a directory of your own"
 
 
@@ -214,22 +220,46 @@ class JobDirs:
     """The rank directories of one engine, one per path, locked for the engine's life.
 
     Attributes:
-        rank_dirs: ``DIR/megatron_ext-USER/JOB/rankNNNNN`` per path, in the order given.
+        bases: the paths set up, in the order given (a full one skipped).
+        rank_dirs: ``DIR/megatron_ext-USER/JOB/rankNNNNN`` per path of :attr:`bases`.
+        skipped: ``(path, reason)`` of each path skipped because it is full.
     """
 
     def __init__(self, bases: List[str], run_id: str, rank: int):
+        """Sets up and locks this rank's directory on each path.
+
+        Raises:
+            UsageError: a component is unsafe, another running job holds the run id, or
+                every path is full.
+        """
         check_run_id(run_id)
         self.run_id, self.rank = run_id, rank
         self.host = socket.gethostname()
         self._held: List[_RankDir] = []
+        self.skipped: List[Tuple[str, str]] = []
         # An engine that fails in its constructor, or is never closed, still lets go.
         self._finalizer = weakref.finalize(self, _release, self._held, run_id, True)
         try:
             for base in bases:
-                self._held.append(self._acquire(base))
+                try:
+                    self._held.append(self._acquire(base))
+                except OSError as err:
+                    if err.errno not in FULL_ERRNOS:
+                        raise
+                    self.skipped.append((base, err.strerror or os.strerror(err.errno)))
+            if self.skipped and not self._held:
+                raise UsageError(
+                    "--offload-paths: no path has room for the job directory ("
+                    + "; ".join(f"{path}: {why}" for path, why in self.skipped)
+                    + "): free space there, or give a path with room")
         except BaseException:
             self.close(remove=True)
             raise
+        for path, why in self.skipped:
+            log.warning("offload: --offload-paths %s skipped: %s while setting up the job "
+                        "directory; the run uses %s", path, why,
+                        ", ".join(held.base for held in self._held))
+        self.bases = [held.base for held in self._held]
         self.rank_dirs = [held.path for held in self._held]
 
     # ------------------------------------------------------------------ set-up
@@ -239,26 +269,37 @@ class JobDirs:
         try:
             with _user_dir(base_fd, base) as (user_fd, user_path):
                 self._remove_stale(user_fd, user_path)
-                job_path = os.path.join(user_path, self.run_id)
-                job_fd, _ = _enter(user_fd, self.run_id, job_path)
                 try:
-                    name = f"rank{self.rank:05d}"
-                    path = os.path.join(job_path, name)
-                    rank_fd, _ = _enter(job_fd, name, path)
-                    try:
-                        lock = self._lock(rank_fd, path)
-                        # A requeued job of the same id finds its previous incarnation's
-                        # files: the state comes from the checkpoint, so they are stale.
-                        for entry in os.listdir(rank_fd):
-                            if entry.startswith(("sg", ".sg")):
-                                os.unlink(entry, dir_fd=rank_fd)
-                        return _RankDir(base, path, lock)
-                    finally:
-                        os.close(rank_fd)
-                finally:
-                    os.close(job_fd)
+                    return self._enter_rank_dir(base, user_fd, user_path)
+                except OSError as err:
+                    if err.errno in FULL_ERRNOS:
+                        # Skipped: leave nothing of this run on the full path.
+                        with contextlib.suppress(OSError):
+                            _tidy(base_fd, user_fd, user_path, self.run_id,
+                                  f"rank{self.rank:05d}")
+                    raise
         finally:
             os.close(base_fd)
+
+    def _enter_rank_dir(self, base: str, user_fd: int, user_path: str) -> _RankDir:
+        job_path = os.path.join(user_path, self.run_id)
+        job_fd, _ = _enter(user_fd, self.run_id, job_path)
+        try:
+            name = f"rank{self.rank:05d}"
+            path = os.path.join(job_path, name)
+            rank_fd, _ = _enter(job_fd, name, path)
+            try:
+                lock = self._lock(rank_fd, path)
+                # A requeued job of the same id finds its previous incarnation's
+                # files: the state comes from the checkpoint, so they are stale.
+                for entry in os.listdir(rank_fd):
+                    if entry.startswith(("sg", ".sg")):
+                        os.unlink(entry, dir_fd=rank_fd)
+                return _RankDir(base, path, lock)
+            finally:
+                os.close(rank_fd)
+        finally:
+            os.close(job_fd)
 
     def _lock(self, rank_fd: int, path: str) -> int:
         try:
@@ -283,8 +324,15 @@ class JobDirs:
                     f"offload job directory {os.path.dirname(path)} is in use by another running "
                     f"job{who} with the same run id {self.run_id!r}: give this job its own "
                     "--offload-run-id, or wait until that job ends") from None
-            os.ftruncate(lock, 0)
-            os.pwrite(lock, f"{self.host} {os.getpid()} rank{self.rank:05d}\n".encode(), 0)
+            try:
+                os.ftruncate(lock, 0)
+                os.pwrite(lock, f"{self.host} {os.getpid()} rank{self.rank:05d}\n".encode(), 0)
+            except OSError as err:
+                if err.errno in FULL_ERRNOS:
+                    # Still held: unlinked now, no other run can have opened it meanwhile.
+                    with contextlib.suppress(OSError):
+                        os.unlink(LOCK_NAME, dir_fd=rank_fd)
+                raise
             return lock
         except BaseException:
             os.close(lock)
@@ -381,12 +429,29 @@ def _remove(rank_dir: _RankDir, run_id: str) -> None:
                                   ignore_errors=True)
                 finally:
                     os.close(job_fd)
-                os.rmdir(run_id, dir_fd=user_fd)  # only when empty: other ranks share it
-            # Unlinked while we hold it: a waiter sees the name gone and starts over.
-            os.unlink(SETUP_LOCK_NAME, dir_fd=user_fd)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.basename(user_path), dir_fd=base_fd)  # only when empty
+            _tidy(base_fd, user_fd, user_path, run_id)
     except (OSError, UsageError) as err:
         log.warning("offload: could not remove %s: %s", rank_dir.path, err)
     finally:
         os.close(base_fd)
+
+
+def _tidy(base_fd: int, user_fd: int, user_path: str, run_id: str, rank_name: str = "") -> None:
+    """Removes what is left empty: ``rank_name`` (if given), the job directory, the user's.
+
+    Called holding the set-up lock of ``user_path``.
+    """
+    if rank_name:
+        with contextlib.suppress(OSError):
+            job_fd = os.open(run_id, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                             dir_fd=user_fd)
+            try:
+                os.rmdir(rank_name, dir_fd=job_fd)  # only when empty
+            finally:
+                os.close(job_fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(run_id, dir_fd=user_fd)  # only when empty: other ranks share it
+    # Unlinked while we hold it: a waiter sees the name gone and starts over.
+    os.unlink(SETUP_LOCK_NAME, dir_fd=user_fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.basename(user_path), dir_fd=base_fd)  # only when empty

@@ -15,9 +15,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine
-from megatron_ext.offload.jobdir import default_run_id
+from megatron_ext.offload.jobdir import FULL_ERRNOS, default_run_id
 from megatron_ext.offload.paths import TierSpec, parse_tier_spec
 from megatron_ext.offload.probe import PROBE_REPEATS, probe_bandwidth, probe_plan
 from megatron_ext.offload.states import StateLayout
@@ -123,10 +124,20 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
             # threads, O_DIRECT as configured; the median of several passes.
             size_mb, block_mb = probe_plan(cfg.offload_subgroup_size)
             for i in missing:
-                result = probe_bandwidth(specs[i].path, size_mb=size_mb, block_mb=block_mb,
-                                         threads=cfg.offload_io_threads,
-                                         direct_io=cfg.offload_direct_io,
-                                         repeats=PROBE_REPEATS)
+                try:
+                    result = probe_bandwidth(specs[i].path, size_mb=size_mb, block_mb=block_mb,
+                                             threads=cfg.offload_io_threads,
+                                             direct_io=cfg.offload_direct_io,
+                                             repeats=PROBE_REPEATS)
+                except OSError as err:
+                    if err.errno not in FULL_ERRNOS:
+                        raise
+                    # Full: skipped (the probe leaves no file), as the job directories skip
+                    # a path too full for their lock file.
+                    probed[i] = None
+                    print(f" offload: --offload-paths {specs[i].path} skipped: {err.strerror} "
+                          "while probing its bandwidth", flush=True)
+                    continue
                 probed[i] = (result.read_gbps, result.write_gbps)
                 print(f" offload: probed {specs[i].path}: read {probed[i][0]:.2f} GB/s, "
                       f"write {probed[i][1]:.2f} GB/s (median of {result.repeats} passes of "
@@ -134,8 +145,15 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
                       f"{'on' if result.direct_io_used else 'off'}; give DIR@READ,WRITE to "
                       "skip the probe)", flush=True)
         probed = _broadcast(probed)
-        for i, (read, write) in probed.items():
-            specs[i].read_gbps, specs[i].write_gbps = read, write
+        for i, speeds in probed.items():
+            if speeds is not None:
+                specs[i].read_gbps, specs[i].write_gbps = speeds
+        full = [specs[i].path for i, speeds in probed.items() if speeds is None]
+        if full and len(full) == len(specs):
+            raise UsageError(f"--offload-paths: no path has room ({', '.join(full)}: full "
+                             "while probing the bandwidth): free space there, or give a path "
+                             "with room")
+        specs = [spec for i, spec in enumerate(specs) if probed.get(i, ()) is not None]
     return specs
 
 

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from megatron_ext.checkpoint import checkpointing as ckpt
+from megatron_ext.checkpoint import save_lock
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
@@ -131,6 +132,8 @@ class Trainer:
         self._sync_stream_only = cfg.runtime.step_sync == "stream"
         self.runtime = rt = initialize(cfg)
         _setup_logging(rt.rank)
+        # Before anything is read or written: one run per --save directory.
+        self.save_lock = save_lock.take(cfg.checkpoint.save, rt)
         if cfg.training.deterministic_mode:
             _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)
@@ -528,6 +531,8 @@ class Trainer:
         self.ramp.close()
         self.writer.close()
         self.tensorboard.close()
+        if self.save_lock is not None:
+            self.save_lock.release()
 
 
 def pretrain(cfg) -> int:

@@ -110,11 +110,34 @@ def test_every_damaged_file_is_refused_naming_it(saved, tmp_path, kind, damage):
     assert f"echo 2 > {root / POINTER}" in line
 
 
+def as_unverified(ck):
+    """Makes ``ck`` a checkpoint without a manifest as an older version (or Megatron-LM)
+    wrote it: no integrity.json, and no promise of one in its common state."""
+    import torch
+
+    (ck / integrity.MANIFEST).unlink()
+    # The test's own checkpoint: its common state is trusted here.
+    common = torch.load(ck / "common.pt", map_location="cpu", weights_only=False)
+    assert common.pop(integrity.COMMON_KEY) == integrity.MANIFEST
+    torch.save(common, ck / "common.pt")
+
+
 def test_intact_checkpoint_verifies_and_one_without_manifest_loads_as_before(saved, tmp_path):
     root = copy_of(saved, tmp_path)
     assert integrity.verify(str(root / "iter_0000004")) is True
-    (root / "iter_0000004" / integrity.MANIFEST).unlink()
+    as_unverified(root / "iter_0000004")
     assert integrity.verify(str(root / "iter_0000004")) is False
+
+
+def test_a_manifest_deleted_from_a_checkpoint_that_promises_one_is_refused(saved, tmp_path):
+    root = copy_of(saved, tmp_path)
+    (root / "iter_0000004" / integrity.MANIFEST).unlink()
+    with pytest.raises(UsageError) as info:
+        integrity.verify(str(root / "iter_0000004"))
+    line = one_line(info.value)
+    assert f"{root / 'iter_0000004' / integrity.MANIFEST}: missing, though its common state " \
+        "(common.pt) says it was saved with one" in line, line
+    assert f"the previous good checkpoint is {root / 'iter_0000002'}" in line, line
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "zero-length", "garbage"])
@@ -159,7 +182,7 @@ def test_offload_manifest_of_an_unverified_checkpoint_is_one_line(saved, tmp_pat
     checked up front (they tracebacked in the engine's load)."""
     root = copy_of(saved, tmp_path)
     ck = root / "iter_0000004"
-    (ck / integrity.MANIFEST).unlink()
+    as_unverified(ck)
     make, expected = OFFLOAD_MANIFEST_DAMAGES[damage]
     make(ck / "offload" / "rank00000" / "manifest.json")
     with pytest.raises(UsageError) as info:
@@ -264,7 +287,7 @@ def test_flipped_byte_in_data_is_refused_end_to_end(saved, tmp_path):
 def test_planted_pickle_in_an_unverified_checkpoint_does_not_run(saved, tmp_path):
     root = copy_of(saved, tmp_path)
     ck = root / "iter_0000004"
-    (ck / integrity.MANIFEST).unlink()
+    as_unverified(ck)
     marker = tmp_path / "ran"
     _plant_pickle(tmp_path / "planted.pt", marker)
     _replace_rng_bytes(ck, (tmp_path / "planted.pt").read_bytes())
@@ -277,7 +300,7 @@ def test_planted_pickle_in_an_unverified_checkpoint_does_not_run(saved, tmp_path
 def test_damaged_rng_state_in_an_unverified_checkpoint_is_one_line(saved, tmp_path):
     root = copy_of(saved, tmp_path)
     ck = root / "iter_0000004"
-    (ck / integrity.MANIFEST).unlink()
+    as_unverified(ck)
     target, offset, length = _rng_location(ck)
     with open(target, "r+b") as f:
         f.seek(offset)

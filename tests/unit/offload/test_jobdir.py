@@ -280,3 +280,72 @@ def test_refusal_on_a_second_path_releases_the_first(tmp_path):
     with pytest.raises(UsageError, match="is a symlink"):
         JobDirs([str(good), str(bad)], "job", 0)
     assert os.listdir(good) == []
+
+
+# ------------------------------------------------------------------ a full path at start
+
+
+@pytest.fixture
+def full_lock_writes(monkeypatch):
+    """os.pwrite fails with ENOSPC on files under the paths added to the returned list."""
+    import errno
+
+    from megatron_ext.offload import jobdir
+
+    full = []
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        if any(where.startswith(str(base) + os.sep) for base in full):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(jobdir.os, "pwrite", pwrite)
+    return full
+
+
+def test_a_path_too_full_for_the_lock_file_is_skipped(tmp_path, full_lock_writes, caplog):
+    full, room = tmp_path / "full", tmp_path / "room"
+    full.mkdir()
+    room.mkdir()
+    full_lock_writes.append(full)
+    dirs = JobDirs([str(full), str(room)], "job", 0)
+    try:
+        assert dirs.bases == [str(room)]
+        assert dirs.skipped == [(str(full), "No space left on device")]
+        assert dirs.rank_dirs == [str(room / USER_DIR / "job" / "rank00000")]
+        assert f"--offload-paths {full} skipped: No space left on device" in caplog.text
+        # Nothing of the run is left on the full path.
+        assert os.listdir(full) == []
+    finally:
+        dirs.close()
+    assert os.listdir(room) == []
+
+
+def test_every_path_full_is_one_line_and_leaves_nothing(tmp_path, full_lock_writes):
+    bases = [tmp_path / "a", tmp_path / "b"]
+    for base in bases:
+        base.mkdir()
+        full_lock_writes.append(base)
+    with pytest.raises(UsageError) as info:
+        JobDirs([str(b) for b in bases], "job", 0)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("--offload-paths: no path has room for the job directory")
+    assert all(f"{b}: No space left on device" in message for b in bases)
+    assert all(os.listdir(b) == [] for b in bases)
+
+
+def test_other_errors_of_the_lock_write_are_not_taken_for_a_full_path(tmp_path, monkeypatch):
+    import errno
+
+    from megatron_ext.offload import jobdir
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(jobdir.os, "pwrite", pwrite)
+    with pytest.raises(OSError) as info:
+        JobDirs([str(_base(tmp_path))], "job", 0)
+    assert info.value.errno == errno.EBADF
