@@ -17,6 +17,13 @@ go into the model's param buffer in the model's dtype.
 
 One Adam (:class:`SubgroupAdam`) for every tier and updater, so that on a CPU run all of
 them do the same arithmetic: bit for bit equal to megatron-core's optimizer.
+
+With remainders (:mod:`.remainders`: the layout stores each fp32 master as 16 bits beside
+the bf16 parameter) every updater hands the Adam the subgroup's current bf16 parameters
+as well: it rebuilds the fp32 masters in a scratch, steps, and splits them again; the new
+bf16 parameters are what the write-back sends (half the bytes of fp32 masters). The CPU
+updater's parameters come with its gradients (on a CUDA model, D2H beside them, on the
+same stream); the device's are gathered from the model where they are.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext.offload.remainders import decode, encode, sign_bits
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import Subgroup
@@ -67,6 +75,16 @@ def gather_grads(params: Sequence["ShardParam"], sg: Subgroup, grads: torch.Tens
             src[piece.start:piece.start + piece.length])
 
 
+def gather_params(params: Sequence["ShardParam"], sg: Subgroup, into: torch.Tensor,
+                  non_blocking: bool = False) -> torch.Tensor:
+    """Subgroup ``sg``'s current model weights (from ``out``) into ``into``; returns it."""
+    for piece in sg.pieces:
+        into[piece.offset:piece.offset + piece.length].copy_(
+            params[piece.param].out[piece.start:piece.start + piece.length],
+            non_blocking=non_blocking)
+    return into
+
+
 class SubgroupAdam:
     """A subgroup's AdamW step on its state buffer, host or device."""
 
@@ -74,18 +92,52 @@ class SubgroupAdam:
         self.subgroups, self.layout = subgroups, layout
         self.fused = fused
         """Torch's fused kernel for host states (set on GPU machines, see adam_update)."""
+        self.max_numel = max((sg.numel for sg in subgroups), default=0)
+        self._masters: Dict[torch.device, torch.Tensor] = {}
+
+    def master_scratch(self, device: torch.device) -> torch.Tensor:
+        """The fp32 scratch where remainders become masters for the math (one per device)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        scratch = self._masters.get(device)
+        if scratch is None:
+            scratch = torch.empty(self.max_numel, dtype=torch.float32, device=device)
+            self._masters[device] = scratch
+        return scratch
 
     def __call__(self, index: int, buffer: torch.Tensor, grads: torch.Tensor, step: int,
-                 hparams: Sequence[dict]) -> torch.Tensor:
-        """Subgroup ``index``'s Adam step on its state buffer (host or device); its master.
+                 hparams: Sequence[dict], params: Optional[torch.Tensor] = None,
+                 params_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Subgroup ``index``'s Adam step on its state buffer (host or device).
 
         One function for every tier and updater, so that on a CPU run all of them do the
         same arithmetic (torch's reference AdamW, megatron-core's): bit for bit equal.
         States stored in fp16/bf16 are widened to fp32 for the math and rounded back.
+
+        Args:
+            index: the subgroup.
+            buffer: its state buffer.
+            grads: its fp32 gradients (unscaled and clipped), on the buffer's device.
+            step: the Adam step the states take.
+            hparams: the param groups' settings, by index.
+            params: with remainders: the subgroup's current bf16 weights (contiguous, on
+                the buffer's device); the masters are rebuilt from them.
+            params_out: with remainders: where the new bf16 weights go (default: into
+                ``params``).
+
+        Returns:
+            What the model's weights become: the fp32 masters (a view of the buffer), or
+            with remainders the new bf16 weights.
         """
         sg = self.subgroups[index]
         states = self.layout.views(buffer, sg.numel)
         on_device = buffer.is_cuda
+        if self.layout.remainders:
+            rem, v_bits = states[0], sign_bits(states[2])
+            master = decode(params, rem, v_bits,
+                            self.master_scratch(buffer.device)[:sg.numel])
+            states = [master, states[1], states[2]]
         for group, offset, length in sg.runs:
             span = slice(offset, offset + length)
             parts = [t[span] if t.dtype == torch.float32 else t[span].float() for t in states]
@@ -97,6 +149,8 @@ class SubgroupAdam:
             for state, part in zip(states, parts):
                 if state.dtype != torch.float32:
                     state[span].copy_(part)
+        if self.layout.remainders:
+            return encode(states[0], rem, v_bits, params if params_out is None else params_out)
         return states[0]
 
 
@@ -131,8 +185,19 @@ class HostWriteBack:
         self.params, self.subgroups = params, subgroups
 
     def __call__(self, index: int, master: torch.Tensor, slot: int) -> None:
-        """Copies subgroup ``index``'s ``master`` into the model (``slot``: unused here)."""
+        """Copies subgroup ``index``'s ``master`` into the model (``slot``: unused here).
+
+        ``master``: the fp32 masters, or with remainders the new bf16 weights.
+        """
         scatter(self.params, self.subgroups[index], master)
+
+    def target(self, index: int, slot: int) -> Optional[torch.Tensor]:
+        """Where an update puts subgroup ``index``'s new bf16 weights (remainders).
+
+        None: in place of the current weights the updater was given (a host model's
+        write-back copies them synchronously, nothing else reads them meanwhile).
+        """
+        return None
 
     def wait_readers(self) -> None:
         """Nothing in flight reads a host buffer."""
@@ -149,20 +214,38 @@ class StagedWriteBack(HostWriteBack):
 
     New fp32 masters cross to the device straight from their pinned state buffer and are
     cast there: a CPU cast pass over the shard costs more than the extra PCIe bytes
-    (measured on the H200 machine, 2026-11-30).
+    (measured on the H200 machine, 2026-11-30). With remainders the update has made the
+    bf16 weights anyway (they are half of the master): they cross instead, from two pinned
+    stages (:meth:`target`), half the bytes.
     """
 
     def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 layout: StateLayout, max_numel: int, device: torch.device):
+                 layout: StateLayout, max_numel: int, device: torch.device,
+                 model_dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, subgroups)
         self.device = device
         self._h2d = torch.cuda.Stream(device)
-        self._out_stage = [torch.empty(max_numel, dtype=layout.master, device=device)
+        wire = model_dtype if layout.remainders else layout.master
+        self._out_stage = [torch.empty(max_numel, dtype=wire, device=device)
                            for _ in range(2)]
+        self._host_stage = ([torch.empty(max_numel, dtype=model_dtype, pin_memory=True)
+                             for _ in range(2)] if layout.remainders else None)
         self._out_events = [None, None]
 
+    def target(self, index: int, slot: int) -> Optional[torch.Tensor]:
+        """Pinned stage ``slot`` for the new bf16 weights, once its last copy has left it."""
+        if self._host_stage is None:
+            return None
+        if self._out_events[slot] is not None:
+            self._out_events[slot].synchronize()
+        return self._host_stage[slot][:self.subgroups[index].numel]
+
     def __call__(self, index: int, master: torch.Tensor, slot: int) -> None:
-        """Starts the copy of subgroup ``index``'s ``master`` through stage ``slot``."""
+        """Starts the copy of subgroup ``index``'s ``master`` through stage ``slot``.
+
+        ``master``: pinned host memory (the state buffer's masters, or with remainders the
+        stage of :meth:`target`), left alone until the copy ends.
+        """
         sg = self.subgroups[index]
         if self._out_events[slot] is not None:
             self._out_events[slot].synchronize()
@@ -196,12 +279,30 @@ class StagedWriteBack(HostWriteBack):
 
 
 class _GradSource:
-    """The CPU updater's fp32 gradients of a subgroup, unscaled and clipped."""
+    """The CPU updater's fp32 gradients of a subgroup, unscaled and clipped.
+
+    With remainders (``param_dtype`` given) also the subgroup's current weights
+    (:meth:`params`), which the masters are rebuilt from.
+    """
 
     def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 max_numel: int):
+                 max_numel: int, param_dtype: Optional[torch.dtype] = None):
         self.params, self.subgroups = params, subgroups
         self._scratch = torch.empty(max_numel, dtype=torch.float32)
+        self._param_scratch = (torch.empty(max_numel, dtype=param_dtype)
+                               if param_dtype is not None else None)
+
+    def params_of(self, index: int, slot: int) -> Optional[torch.Tensor]:
+        """Subgroup ``index``'s current weights on the host (remainders; else None).
+
+        Read from the model synchronously: its last write-back has landed (the step's
+        write-backs end before the next step's updates start, and no two subgroups share
+        an element).
+        """
+        if self._param_scratch is None:
+            return None
+        sg = self.subgroups[index]
+        return gather_params(self.params, sg, self._param_scratch[:sg.numel])
 
     def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
         """A step starts; ``order``: the subgroups the CPU updates, in order."""
@@ -227,16 +328,22 @@ class HostGrads(_GradSource):
 class PinnedGrads(_GradSource):
     """Delayed conversion, CUDA model: training-dtype gradients D2H into pinned stages.
 
-    The next subgroup's copy runs on its own stream while this one's Adam runs.
+    The next subgroup's copy runs on its own stream while this one's Adam runs; with
+    remainders the subgroup's bf16 weights cross beside its gradients, on the same stream.
     """
 
     def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 max_numel: int, device: torch.device, grad_dtype: torch.dtype):
+                 max_numel: int, device: torch.device, grad_dtype: torch.dtype,
+                 param_dtype: Optional[torch.dtype] = None):
         super().__init__(params, subgroups, max_numel)
         self.device = device
         self._d2h = torch.cuda.Stream(device)
         self._grad_stage = [torch.empty(max_numel, dtype=grad_dtype, pin_memory=True)
                             for _ in range(2)]
+        # A stage is rewritten two subgroups later, once the CPU has read it (fp32(),
+        # params_of() of that subgroup ran before the issue of the next but one).
+        self._param_stage = ([torch.empty(max_numel, dtype=param_dtype, pin_memory=True)
+                              for _ in range(2)] if param_dtype is not None else None)
         self._grad_events = [None, None]
 
     def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
@@ -248,11 +355,15 @@ class PinnedGrads(_GradSource):
     def issue(self, index: int, slot: int) -> None:
         """Starts the D2H copy of a subgroup's gradients (training dtype) into pinned memory."""
         stage = self._grad_stage[slot]
+        sg = self.subgroups[index]
         with torch.cuda.stream(self._d2h):
-            for piece in self.subgroups[index].pieces:
+            for piece in sg.pieces:
                 src = self.params[piece.param].grad().reshape(-1)
                 stage[piece.offset:piece.offset + piece.length].copy_(
                     src[piece.start:piece.start + piece.length], non_blocking=True)
+            if self._param_stage is not None:
+                gather_params(self.params, sg, self._param_stage[slot][:sg.numel],
+                              non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._d2h)
         self._grad_events[slot] = event
@@ -265,6 +376,13 @@ class PinnedGrads(_GradSource):
         unscale_and_clip(grads, inv_scale, clip_coeff)
         return grads
 
+    def params_of(self, index: int, slot: int) -> Optional[torch.Tensor]:
+        """Subgroup ``index``'s bf16 weights, copied beside its gradients (remainders)."""
+        if self._param_stage is None:
+            return None
+        self._grad_events[slot].synchronize()
+        return self._param_stage[slot][:self.subgroups[index].numel]
+
 
 class Fp32FirstGrads(_GradSource):
     """Without delayed conversion: the shard's fp32 gradients first, as ZeRO-Infinity does.
@@ -274,8 +392,9 @@ class Fp32FirstGrads(_GradSource):
     """
 
     def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 max_numel: int, store: SubgroupStore):
-        super().__init__(params, subgroups, max_numel)
+                 max_numel: int, store: SubgroupStore,
+                 param_dtype: Optional[torch.dtype] = None):
+        super().__init__(params, subgroups, max_numel, param_dtype)
         self.store = store
         # Each subgroup's fp32 gradients of this step, in host memory (a tensor) or in a
         # file on the path of that index (an int).
@@ -315,13 +434,18 @@ class Fp32FirstGrads(_GradSource):
 
 def gradient_source(delayed: bool, params: Sequence["ShardParam"],
                     subgroups: Sequence[Subgroup], max_numel: int, *, device: torch.device,
-                    grad_dtype: torch.dtype, store: SubgroupStore) -> _GradSource:
-    """The CPU updater's gradients: delayed conversion (host or CUDA model) or fp32 first."""
+                    grad_dtype: torch.dtype, store: SubgroupStore,
+                    param_dtype: Optional[torch.dtype] = None) -> _GradSource:
+    """The CPU updater's gradients: delayed conversion (host or CUDA model) or fp32 first.
+
+    ``param_dtype``: with remainders, the model's dtype (the source hands the subgroup's
+    weights to the update as well); None without.
+    """
     if not delayed:
-        return Fp32FirstGrads(params, subgroups, max_numel, store)
+        return Fp32FirstGrads(params, subgroups, max_numel, store, param_dtype)
     if device.type == "cuda":
-        return PinnedGrads(params, subgroups, max_numel, device, grad_dtype)
-    return HostGrads(params, subgroups, max_numel)
+        return PinnedGrads(params, subgroups, max_numel, device, grad_dtype, param_dtype)
+    return HostGrads(params, subgroups, max_numel, param_dtype)
 
 
 # ---------------------------------------------------------------- updaters
@@ -351,8 +475,10 @@ class CpuUpdater:
         slot = self._slot[index]
         t0 = time.perf_counter()
         grads = self.grads.fp32(index, slot, args.inv_scale, args.clip_coeff)
+        params = self.grads.params_of(index, slot)
         t1 = time.perf_counter()
-        master = self.adam(index, buffer, grads, args.step, args.hparams)
+        target = self.write_back.target(index, slot) if params is not None else None
+        master = self.adam(index, buffer, grads, args.step, args.hparams, params, target)
         t2 = time.perf_counter()
         self.write_back(index, master, slot)
         t3 = time.perf_counter()
@@ -379,18 +505,33 @@ class DeviceUpdater:
     """The fused device Adam on a state buffer on the device (current stream).
 
     The gradients never leave the device; the new weights go straight into the model's
-    buffer.
+    buffer. With remainders the subgroup's weights are gathered from the model into a
+    device scratch, the update rebuilds the masters from them and leaves the new weights
+    there, and they are scattered back.
     """
 
     def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
                  adam: SubgroupAdam, stats: StepStats, *, device: torch.device,
-                 max_numel: int, allocate: bool):
+                 max_numel: int, allocate: bool, param_dtype: Optional[torch.dtype] = None):
         self.params, self.subgroups, self.adam, self.stats = params, subgroups, adam, stats
         self.device, self.max_numel = device, max_numel
         self.is_cuda = device.type == "cuda"
+        self.param_dtype = param_dtype
+        """With remainders, the model's dtype; None without."""
         # Allocated now (``allocate``) so that ``auto`` sizing measures it in the first peak.
-        self._grad: Optional[torch.Tensor] = (
-            torch.empty(max_numel, dtype=torch.float32, device=device) if allocate else None)
+        self._grad: Optional[torch.Tensor] = None
+        self._param: Optional[torch.Tensor] = None
+        if allocate:
+            self._scratch()
+
+    def _scratch(self) -> None:
+        """The device scratches: fp32 gradients; with remainders, weights and masters."""
+        if self._grad is None:
+            self._grad = torch.empty(self.max_numel, dtype=torch.float32, device=self.device)
+        if self.param_dtype is not None and self._param is None:
+            self._param = torch.empty(self.max_numel, dtype=self.param_dtype,
+                                      device=self.device)
+            self.adam.master_scratch(self.device)
 
     def scale(self, inv_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``inv_scale`` on the device (a non-blocking copy on CUDA)."""
@@ -401,8 +542,7 @@ class DeviceUpdater:
     def _grads(self, index: int, inv_scale, clip_coeff) -> torch.Tensor:
         """The subgroup's fp32 gradients on the model's device, unscaled and clipped."""
         sg = self.subgroups[index]
-        if self._grad is None:
-            self._grad = torch.empty(self.max_numel, dtype=torch.float32, device=self.device)
+        self._scratch()
         grads = self._grad[:sg.numel]
         gather_grads(self.params, sg, grads)
         return unscale_and_clip(grads, inv_scale, clip_coeff)
@@ -410,8 +550,11 @@ class DeviceUpdater:
     def apply(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
         """The step of the state buffer ``state`` on the device; the weights to the model."""
         grads = self._grads(index, args.device_inv_scale, args.clip_coeff)
-        master = self.adam(index, state, grads, args.step, args.hparams)
-        scatter(self.params, self.subgroups[index], master)
+        sg = self.subgroups[index]
+        params = (gather_params(self.params, sg, self._param[:sg.numel])
+                  if self.param_dtype is not None else None)
+        master = self.adam(index, state, grads, args.step, args.hparams, params)
+        scatter(self.params, sg, master)
 
     def update(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
         """A device-tier subgroup's step (timed for the metrics)."""

@@ -109,7 +109,8 @@ def test_engine_equals_torch_adamw(tmp_path, n_tiers, combo, dtype):
                 assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
         engine.wait_io()
         for index, sg in enumerate(engine.subgroups):
-            state = torch.cat(engine._views(engine._acquire_sync(index), index))
+            # fp32 masters and moments, as the math sees them (bf16 runs store remainders).
+            state = torch.cat(engine.full_states(index))
             for piece in sg.pieces:
                 got = state[piece.offset:piece.offset + piece.length]
                 want = masters[piece.param].detach()[piece.start:piece.start + piece.length]
@@ -179,6 +180,7 @@ def test_fp32_state_leaves_no_tensor_on_a_path_after_close(tmp_path):
 
 
 SMALL = 300  # subgroup size of the tests below: 12 subgroups (11 x 300 + 219)
+BF16_BYTES = 10  # state bytes per element of bf16 weights: fp32 masters as remainders
 
 
 def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
@@ -186,7 +188,7 @@ def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
     (tmp_path / "tier0").mkdir(exist_ok=True)
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[tier.path],
                         offload_subgroup_size=SMALL,
-                        offload_host_cache_gb=cache_subgroups * SMALL * 12 / 1e9, **switches)
+                        offload_host_cache_gb=cache_subgroups * SMALL * BF16_BYTES / 1e9, **switches)
     return OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"), tiers=[tier],
                          run_id="test", model_dtype=shard.dtype, grad_dtype=shard.dtype)
 
@@ -195,7 +197,7 @@ def _limit_free_space(monkeypatch, subgroups_that_fit: int) -> None:
     """The path reports room for the spares plus ``subgroups_that_fit`` full subgroups."""
     from megatron_ext.offload import plan as plan_module
 
-    room = (plan_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * 12
+    room = (plan_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * BF16_BYTES
     monkeypatch.setattr(plan_module, "check_free_space", lambda path, need: room)
 
 
@@ -246,19 +248,29 @@ def test_paths_too_small_even_with_the_cache_is_one_clear_error(tmp_path, monkey
 # ---------------------------------------------------------------- the device tier
 
 SG = 700 * 12  # bytes of a full subgroup's fp32 state in these tests
-# (device tier GB, host cache GB, paths): 6 subgroups, 5 full ones and one of 19 elements.
+# (device tier, host cache, paths) in full subgroups: 6 subgroups, 5 full ones and one of
+# 19 elements.
 TIER_LAYOUTS = {
-    "device-only": (1.0, None, 0),
-    "device+host": (2 * SG / 1e9, None, 0),
-    "device+host+two-paths": (2 * SG / 1e9, 3 * SG / 1e9, 2),
+    "device-only": (None, None, 0),
+    "device+host": (2, None, 0),
+    "device+host+two-paths": (2, 3, 2),
 }
+
+
+def _tier_sizes(layout: str, dtype: torch.dtype):
+    """(device tier GB, host cache GB, paths) of a layout, for the weights' dtype."""
+    device, cache, n_tiers = TIER_LAYOUTS[layout]
+    # bf16 weights store fp32 masters as remainders: 10 bytes per element, not 12.
+    sg = 700 * (BF16_BYTES if dtype == torch.bfloat16 else 12)
+    return (1.0 if device is None else device * sg / 1e9,
+            None if cache is None else cache * sg / 1e9, n_tiers)
 
 
 def _check_states(engine, masters, opt):
     """The engine's states equal the reference's (fp32 views, any tier)."""
     engine.wait_io()
     for index, sg in enumerate(engine.subgroups):
-        views = engine._views(engine._acquire_sync(index), index)
+        views = engine.full_states(index)
         for piece in sg.pieces:
             part = slice(piece.offset, piece.offset + piece.length)
             ref = slice(piece.start, piece.start + piece.length)
@@ -280,7 +292,7 @@ def test_device_tier_and_streamed_update_equal_torch_adamw(tmp_path, monkeypatch
 
     if stream:
         monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
-    device_gb, cache_gb, n_tiers = TIER_LAYOUTS[layout]
+    device_gb, cache_gb, n_tiers = _tier_sizes(layout, dtype)
     shard, ref_shard = Shard(dtype), Shard(dtype)
     masters, opt = _reference(ref_shard)
     engine = _engine(tmp_path, shard, n_tiers, {}, cache_gb=cache_gb,
@@ -345,9 +357,10 @@ def test_precision_aware_states_are_stored_in_their_dtypes(tmp_path, monkeypatch
         tiers.append(TierSpec(str(tmp_path / f"tier{i}"), read_gbps=2.0 - i, write_gbps=1.0))
     per = layout.nbytes(700)
     assert per == 700 * (8 if names[0] == "fp32" else 10)
+    # The dtypes alone (remainders: test_remainders_store_6_bytes_with_bf16_moments).
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
                         offload_subgroup_size=700, offload_host_cache_gb=3 * per / 1e9,
-                        offload_device_cache_gb=str(per / 1e9))
+                        offload_device_cache_gb=str(per / 1e9), store_param_remainders=False)
     engine = OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"),
                            tiers=tiers, run_id="test", model_dtype=shard.dtype,
                            grad_dtype=shard.dtype, layout=layout)
@@ -398,8 +411,10 @@ def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, mo
     monkeypatch.setenv(MEMORY_PEAK_ENV, f"1:{25e3 / 1e9},3:{45e3 / 1e9}")
     shard, ref_shard = Shard(torch.bfloat16), Shard(torch.bfloat16)
     masters, opt = _reference(ref_shard)
+    # Sized in fp32 subgroups: whole masters (remainders change the bytes, not the sizing).
     engine = _engine(tmp_path, shard, 1, {}, cache_gb=4 * SG / 1e9,
-                     offload_device_cache_gb="auto", offload_device_reserve_gb=2e-6)
+                     offload_device_cache_gb="auto", offload_device_reserve_gb=2e-6,
+                     store_param_remainders=False)
     try:
         assert engine.device_members == []
         sizes = []
