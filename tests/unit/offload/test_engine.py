@@ -188,7 +188,8 @@ def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
     (tmp_path / "tier0").mkdir(exist_ok=True)
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[tier.path],
                         offload_subgroup_size=SMALL,
-                        offload_host_cache_gb=cache_subgroups * SMALL * BF16_BYTES / 1e9, **switches)
+                        offload_host_cache_gb=cache_subgroups * SMALL * BF16_BYTES / 1e9,
+                        **switches)
     return OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"), tiers=[tier],
                          run_id="test", model_dtype=shard.dtype, grad_dtype=shard.dtype)
 
