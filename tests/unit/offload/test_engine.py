@@ -8,6 +8,7 @@ masters, which is what megatron-core's distributed optimizer runs on the CPU.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import pytest
@@ -441,3 +442,198 @@ def test_auto_device_tier_on_the_cpu_needs_a_size(tmp_path, monkeypatch):
     monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
     with pytest.raises(UsageError, match="give a size in GB"):
         _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")
+
+
+# ---------------------------------------------------------------- remainders
+
+
+def _all_tier_engine(tmp_path, shard, layout=None, **extra):
+    """Device tier, host cache and two paths (two subgroups each), the streamed update."""
+    from megatron_ext.offload.states import StateLayout
+
+    layout = layout or StateLayout()
+    sg = layout.nbytes(700)
+    tiers = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir(parents=True, exist_ok=True)
+        tiers.append(TierSpec(str(tmp_path / f"tier{i}"), read_gbps=2.0 - i, write_gbps=1.0))
+    cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
+                        offload_subgroup_size=700, offload_host_cache_gb=3 * sg / 1e9,
+                        offload_device_cache_gb=str(2 * sg / 1e9), **extra)
+    return OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"), tiers=tiers,
+                         run_id="test", model_dtype=shard.dtype, grad_dtype=shard.dtype,
+                         layout=layout)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_remainders_equal_whole_masters_on_every_tier(tmp_path, monkeypatch, caplog, moments):
+    """bf16 weights: remainders on (the default) and off give the same weights and states
+    bit for bit on the device tier, the host cache, the paths and the streamed update,
+    with 10 (6) bytes per element in every tier's buffers and files."""
+    from megatron_ext.offload.config import STREAM_SHARE_ENV
+    from megatron_ext.offload.io import read_header
+    from megatron_ext.offload.states import StateLayout
+    from megatron_ext.offload.tier_model import TierKind
+
+    monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
+    layout = StateLayout.from_names("fp32", moments, moments)
+    shards = [Shard(torch.bfloat16), Shard(torch.bfloat16)]
+    with caplog.at_level("INFO", logger="megatron_ext.offload.engine"):
+        on = _all_tier_engine(tmp_path / "on", shards[0], layout.with_remainders())
+    off = _all_tier_engine(tmp_path / "off", shards[1], layout, store_param_remainders=False)
+    bpe = 10 if moments == "fp32" else 6
+    assert any(f"{bpe} B/element: fp32 masters as 16-bit remainders beside the bf16 "
+               "parameters" in r.message for r in caplog.records)
+    try:
+        assert on.layout.remainders and not off.layout.remainders
+        streamed = 0
+        for step in range(5):
+            clip = 0.5 if step == 2 else None
+            for shard in shards:
+                shard.new_grads()
+            on.step(HPARAMS, None, clip)
+            off.step(HPARAMS, None, clip)
+            for a, b in zip(*(s.weights for s in shards)):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), step
+            record = on.metrics()
+            streamed += record["offload/streamed_subgroups"]
+            assert record["offload/state_bytes_per_element"] == bpe
+        assert streamed > 0
+        kinds = {on.tier_of(i).kind for i in range(len(on.subgroups))}
+        assert kinds == {TierKind.DEVICE, TierKind.HOST, TierKind.PATH}, kinds
+        on.wait_io()
+        off.wait_io()
+        for index in range(len(on.subgroups)):
+            for a, b in zip(on.full_states(index), off.full_states(index)):
+                assert torch.equal(a, b), f"subgroup {index} differs"
+        files = [os.path.join(d, f) for d in on.rank_dirs for f in os.listdir(d)
+                 if f.endswith(".state")]
+        assert files
+        for name in files:
+            index = int(os.path.basename(name)[2:7])
+            # (4-byte alignment pads the odd-sized last subgroup's arrays)
+            assert read_header(name)["payload_bytes"] == on.layout.nbytes(
+                on.subgroups[index].numel)
+        assert on.layout.nbytes(700) == 700 * bpe
+    finally:
+        on.close()
+        off.close()
+
+
+def test_read_states_gives_whole_fp32_masters(tmp_path):
+    """What ZenFlow's moves and a Megatron-LM-format checkpoint read: fp32 masters."""
+    shards = [Shard(torch.bfloat16), Shard(torch.bfloat16)]
+    engines = [_all_tier_engine(tmp_path / "on", shards[0]),
+               _all_tier_engine(tmp_path / "off", shards[1], store_param_remainders=False)]
+    try:
+        for _ in range(3):
+            for shard, engine in zip(shards, engines):
+                shard.new_grads()
+                engine.step(HPARAMS, None, None)
+        for param, n in enumerate(SIZES):
+            got = [[torch.empty(n) for _ in range(3)] for _ in engines]
+            for engine, outs in zip(engines, got):
+                engine.read_states(param, 0, n, outs)
+            for a, b in zip(*got):
+                assert torch.equal(a, b), f"parameter {param} differs"
+            assert not torch.equal(got[0][0], got[0][0].bfloat16().float())  # really fp32
+        # Reading left the states alone: the next step still agrees.
+        for shard, engine in zip(shards, engines):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+        assert all(torch.equal(a, b) for a, b in zip(*(s.weights for s in shards)))
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [(True, False), (False, True), (True, True)],
+                         ids=["remainders-to-whole", "whole-to-remainders", "remainders"])
+def test_checkpoint_resumes_with_either_setting(tmp_path, saved_with, resumed_with):
+    """A checkpoint saved with remainders on (off) resumes with them off (on): the states
+    convert on load and the steps after it equal the uninterrupted run's."""
+    straight, first = Shard(torch.bfloat16), Shard(torch.bfloat16)
+    base = _all_tier_engine(tmp_path / "straight", straight)
+    engine = _all_tier_engine(tmp_path / "first", first, store_param_remainders=saved_with)
+    try:
+        for step in range(5):
+            straight.new_grads()
+            base.step(HPARAMS, None, None)
+            if step < 3:
+                first.new_grads()
+                engine.step(HPARAMS, None, None)
+        engine.save(str(tmp_path / "ckpt"), {})
+        manifest = json.loads((tmp_path / "ckpt" / "rank00000" / "manifest.json").read_text())
+        assert manifest["param_remainders"] is saved_with
+    finally:
+        engine.close()
+    # The model's weights come from the model's checkpoint: the first run's.
+    resumed = _all_tier_engine(tmp_path / "second", first, store_param_remainders=resumed_with)
+    try:
+        resumed.load(str(tmp_path / "ckpt"), {})
+        assert resumed.layout.remainders is resumed_with
+        for _ in range(2):
+            first.new_grads()
+            resumed.step(HPARAMS, None, None)
+        for a, b in zip(first.weights, straight.weights):
+            assert torch.equal(a, b)
+        resumed.wait_io()
+        for index in range(len(base.subgroups)):
+            for a, b in zip(resumed.full_states(index), base.full_states(index)):
+                assert torch.equal(a, b), f"subgroup {index} differs"
+    finally:
+        resumed.close()
+        base.close()
+
+
+def test_whole_masters_that_the_weights_do_not_round_from_are_refused(tmp_path):
+    shard = Shard(torch.bfloat16)
+    engine = _all_tier_engine(tmp_path / "first", shard, store_param_remainders=False)
+    try:
+        for _ in range(2):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+        engine.save(str(tmp_path / "ckpt"), {})
+    finally:
+        engine.close()
+    shard.weights[3][7] += 1.0  # the model's weights are not the masters' rounding any more
+    resumed = _all_tier_engine(tmp_path / "second", shard)
+    try:
+        with pytest.raises(UsageError, match="resume with --no-store-param-remainders"):
+            resumed.load(str(tmp_path / "ckpt"), {})
+    finally:
+        resumed.close()
+
+
+def test_reset_masters_and_initialize_from_set_the_weights_beside_the_remainders(tmp_path):
+    """reset_masters_from_model keeps the moments and takes the weights as masters; a fill
+    from fp32 masters (ZenFlow's re-selection) makes the weights their bf16 rounding."""
+    shard = Shard(torch.bfloat16)
+    engine = _all_tier_engine(tmp_path, shard)
+    try:
+        for _ in range(2):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+        before = [engine.full_states(i) for i in range(len(engine.subgroups))]
+        engine.reset_masters_from_model()
+        for index, sg in enumerate(engine.subgroups):
+            master, exp_avg, exp_avg_sq = engine.full_states(index)
+            assert torch.equal(master, before[index][0].bfloat16().float())
+            assert torch.equal(exp_avg, before[index][1])
+            assert torch.equal(exp_avg_sq, before[index][2])
+        gen = torch.Generator().manual_seed(5)
+        masters = [torch.randn(n, generator=gen) for n in SIZES]
+
+        def fill(param, start, length, views):
+            views[0].copy_(masters[param][start:start + length])
+            views[1].fill_(0.5)
+            views[2].fill_(0.25)
+        engine.initialize_from(fill, step=2)
+        for param, n in enumerate(SIZES):
+            outs = [torch.empty(n) for _ in range(3)]
+            engine.read_states(param, 0, n, outs)
+            assert torch.equal(outs[0], masters[param])
+            assert torch.equal(shard.weights[param], masters[param].bfloat16())
+            assert (outs[2] == 0.25).all()
+    finally:
+        engine.close()
