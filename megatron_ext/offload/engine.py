@@ -39,6 +39,13 @@ from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.masters import convert, read_masters, store_masters
 from megatron_ext.offload.paths import TierSpec
 from megatron_ext.offload.plan import TierPlan, gb
+from megatron_ext.offload.staging import (
+    HostWriteBack,
+    StagedWriteBack,
+    gather_params,
+    gradient_source,
+    scatter,
+)
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import ShardParam, Subgroup, layout_fingerprint, partition
@@ -46,13 +53,8 @@ from megatron_ext.offload.tier_model import Tier, Updater
 from megatron_ext.offload.updaters import (
     CpuUpdater,
     DeviceUpdater,
-    HostWriteBack,
-    StagedWriteBack,
     StepArgs,
     SubgroupAdam,
-    gather_params,
-    gradient_source,
-    scatter,
     stream_updater,
 )
 from megatron_ext.runtime.faults import Faults

@@ -8,22 +8,24 @@ import torch
 
 from megatron_ext.offload.masters import read_masters
 from megatron_ext.offload.remainders import sign_bits
+from megatron_ext.offload.staging import (
+    Fp32FirstGrads,
+    HostGrads,
+    HostWriteBack,
+    gather_grads,
+    gather_params,
+    gradient_source,
+    scatter,
+)
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats
 from megatron_ext.offload.subgroups import ShardParam, partition
 from megatron_ext.offload.updaters import (
     CpuUpdater,
     DeviceUpdater,
-    Fp32FirstGrads,
-    HostGrads,
-    HostWriteBack,
     StepArgs,
     SubgroupAdam,
     SyncStreamUpdater,
-    gather_grads,
-    gather_params,
-    gradient_source,
-    scatter,
     stream_updater,
 )
 
