@@ -2,10 +2,11 @@
 
 One rank's optimizer shard is cut into subgroups (:mod:`.subgroups`). Each subgroup's
 state (master weights, exp_avg, exp_avg_sq: one buffer in the layout of :mod:`.states`;
-with bf16 weights the masters are 16-bit remainders beside them, :mod:`.remainders`) lives in the
-device tier, the host cache (:mod:`.cache`) or a file on one of the tier paths (where:
-:mod:`.plan`; the bytes: :mod:`.store`, :mod:`.io`). A step walks the subgroups (ascending,
-then descending on the next step: alternating order) and for each one, overlapped with threads:
+with bf16 weights the masters are 16-bit remainders beside them, :mod:`.remainders`)
+lives in the device tier, the host cache (:mod:`.cache`) or a file on one of the tier
+paths (where: :mod:`.plan`; the bytes: :mod:`.store`, :mod:`.io`). A step walks the
+subgroups (ascending, then descending on the next step: alternating order) and for each
+one, overlapped with threads:
 
     prefetch k+1 from its path  |  update k: gradients to the host in the training dtype,
                                 |  converted to fp32 here (delayed conversion), CPU Adam,
@@ -364,8 +365,8 @@ class OffloadEngine:
     def reset_masters_from_model(self) -> None:
         """Rebuilds the fp32 masters from the model's weights, keeping the moments.
 
-        With remainders: zero remainders and ``up`` bits, and the weights into the params'
-        ``out`` where those are not the model's.
+        With remainders: zero remainders and ``up`` bits, and the weights written into the
+        params' ``out`` (the same values where those are the model's weights).
         """
         if not self.initialized:
             return
