@@ -15,6 +15,8 @@ Manifest (JSON object, version :data:`MANIFEST_VERSION`)::
     subgroup_size   --offload-subgroup-size
     checksum        the files' payload checksum
     state_dtypes    [master, exp_avg, exp_avg_sq] dtype names
+    param_remainders  whether the fp32 masters are stored as 16-bit remainders beside the
+                    bf16 weights (absent in older manifests: whole)
     subgroups       [{"subgroup": i, "elements": n, "file": "sgNNNNN.state",
                       "how": "written" | "linked" | "copied"}, ...] in subgroup order
     ...             the caller's fields (the parallel layout it checks on load)
@@ -117,16 +119,26 @@ def engine_fields(step: int, fingerprint: str, cfg: "OffloadConfig",
     """The manifest's fields that describe the engine's states (checked on load)."""
     return {"step": step, "fingerprint": fingerprint,
             "subgroup_size": cfg.offload_subgroup_size, "checksum": cfg.offload_checksum,
-            "state_dtypes": layout.names}
+            "state_dtypes": layout.names, "param_remainders": layout.remainders}
+
+
+def saved_layout(manifest: dict, layout: "StateLayout") -> "StateLayout":
+    """The layout of a manifest's files: ``layout`` with the masters stored its way.
+
+    :func:`open_rank` has checked the dtypes; older manifests store whole masters.
+    """
+    return layout.with_remainders(bool(manifest.get("param_remainders", False)))
 
 
 def open_rank(directory: str, rank: int, expect: dict, *, fingerprint: str,
               layout: "StateLayout", cfg: "OffloadConfig"
-              ) -> Tuple[dict, Callable[["SubgroupStore", int, "torch.Tensor"], None]]:
+              ) -> Tuple[dict, Callable[..., None]]:
     """Checks rank ``rank``'s manifest against this run; (manifest, a reader of its files).
 
-    The reader, ``read(store, index, buffer)``, fills a host buffer with subgroup
-    ``index``'s saved state and checks that it is of the manifest's step.
+    The reader, ``read(store, index, buffer, saved=None)``, fills a host buffer with
+    subgroup ``index``'s saved state and checks that it is of the manifest's step;
+    ``saved``: the files' layout when it is not the store's (:func:`saved_layout`: the
+    masters stored the other way, which the caller converts).
 
     Raises:
         UsageError: no manifest for this rank, or one saved with other settings (the
@@ -163,11 +175,13 @@ def open_rank(directory: str, rank: int, expect: dict, *, fingerprint: str,
     reader = StateFileIO(threads=cfg.offload_io_threads, direct_io=cfg.offload_direct_io,
                          checksum=manifest.get("checksum", cfg.offload_checksum))
 
-    def read(store: "SubgroupStore", index: int, buffer: "torch.Tensor") -> None:
+    def read(store: "SubgroupStore", index: int, buffer: "torch.Tensor",
+             saved: Optional["StateLayout"] = None) -> None:
         name = os.path.join(rank_dir, manifest["subgroups"][index]["file"])
+        numel = store.subgroups[index].numel
+        size = store.sizes[index] if saved is None else saved.nbytes(numel)
         try:
-            step = reader.read(name, buffer[:store.sizes[index]], rank=rank, subgroup=index,
-                               elements=store.subgroups[index].numel)
+            step = reader.read(name, buffer[:size], rank=rank, subgroup=index, elements=numel)
         except OffloadStateError as err:
             # The io layer's advice is to resume from a checkpoint: this is one.
             raise OffloadStateError(f"{str(err).split(': ' + RESTART_HINT)[0]}: the "

@@ -127,6 +127,15 @@ class OffloadConfig:
     D2H, both copy directions in flight on their own streams, while CPU Adam updates the
     others; the split follows the measured throughputs every step so both sides end
     together. Off: CPU Adam updates every host-memory subgroup (ablation). GPU runs only."""
+    store_param_remainders: bool = option(True, negate="--no-store-param-remainders")
+    """Store each fp32 master whole (4 bytes: 12 bytes of state per element, 8 with bf16
+    moments), the ablation. Without this flag, with --bf16 and fp32 masters (the default
+    --main-params-dtype), each master is stored and moved as its 16-bit remainder beside
+    the bf16 parameter (megatron-core's store_param_remainders semantics; the missing bit
+    rides in the sign bit of exp_avg_sq): 10 bytes per element on every tier, 6 with bf16
+    moments, the same results bit for bit, and the Adam math stays fp32. With fp32 or fp16
+    parameters (or --main-params-dtype fp16) remainders would not be exact and are not
+    used. Checkpoints say how they were stored; a resume with the other setting converts."""
     offload_run_id: Optional[str] = None
     """Name of this job's directory under each path: one directory name of letters, digits,
     '.', '_' and '-'. Default: the Slurm job id, else torchrun's run id, else a fresh id.

@@ -1,10 +1,12 @@
 """The update pipeline of the offload engine.
 
 One rank's optimizer shard is cut into subgroups (:mod:`.subgroups`). Each subgroup's
-fp32 state (master weights, exp_avg, exp_avg_sq: one buffer of 3n floats) lives in the
-device tier, the host cache (:mod:`.cache`) or a file on one of the tier paths (where:
-:mod:`.plan`; the bytes: :mod:`.store`, :mod:`.io`). A step walks the subgroups (ascending,
-then descending on the next step: alternating order) and for each one, overlapped with threads:
+state (master weights, exp_avg, exp_avg_sq: one buffer in the layout of :mod:`.states`;
+with bf16 weights the masters are 16-bit remainders beside them, :mod:`.remainders`)
+lives in the device tier, the host cache (:mod:`.cache`) or a file on one of the tier
+paths (where: :mod:`.plan`; the bytes: :mod:`.store`, :mod:`.io`). A step walks the
+subgroups (ascending, then descending on the next step: alternating order) and for each
+one, overlapped with threads:
 
     prefetch k+1 from its path  |  update k: gradients to the host in the training dtype,
                                 |  converted to fp32 here (delayed conversion), CPU Adam,
@@ -29,12 +31,22 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
+from megatron_ext.errors import UsageError
 from megatron_ext.offload import checkpoint
+from megatron_ext.offload.blockio import aligned_empty
 from megatron_ext.offload.cache import HostCache
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.jobdir import JobDirs
+from megatron_ext.offload.masters import convert, read_masters, store_masters
 from megatron_ext.offload.paths import TierSpec
 from megatron_ext.offload.plan import TierPlan, gb
+from megatron_ext.offload.staging import (
+    HostWriteBack,
+    StagedWriteBack,
+    gather_params,
+    gradient_source,
+    scatter,
+)
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import ShardParam, Subgroup, layout_fingerprint, partition
@@ -42,12 +54,8 @@ from megatron_ext.offload.tier_model import Tier, Updater
 from megatron_ext.offload.updaters import (
     CpuUpdater,
     DeviceUpdater,
-    HostWriteBack,
-    StagedWriteBack,
     StepArgs,
     SubgroupAdam,
-    gradient_source,
-    scatter,
     stream_updater,
 )
 from megatron_ext.runtime.faults import Faults
@@ -60,7 +68,8 @@ class OffloadEngine:
     def __init__(self, cfg: OffloadConfig, params: Sequence[ShardParam], *, rank: int,
                  device: torch.device, tiers: Sequence[TierSpec], run_id: str,
                  model_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 layout: Optional[StateLayout] = None, faults: Faults = Faults()):
+                 layout: Optional[StateLayout] = None, faults: Faults = Faults(),
+                 params_are_model: bool = True):
         """Plans the tiers, opens the store and builds the updaters of this run.
 
         Args:
@@ -72,11 +81,20 @@ class OffloadEngine:
             run_id: this job's directory name under each path.
             model_dtype: the model weights' dtype.
             grad_dtype: the gradients' dtype.
-            layout: the dtypes the states are stored in (fp32 by default).
+            layout: the dtypes the states are stored in (fp32 by default); the masters are
+                stored as remainders where ``cfg.store_param_remainders`` and the dtypes
+                allow it (:meth:`StateLayout.remainders_apply`).
             faults: faults the test suite injects (none by default).
+            params_are_model: whether the params' ``out`` are the model's weights (the
+                offload optimizer) or buffers of the caller's (ZenFlow's upload buffers):
+                a load that turns whole masters into remainders checks the former against
+                the masters and sets the latter.
         """
         self.cfg = cfg
-        self.layout = layout or StateLayout()
+        layout = layout or StateLayout()
+        self.layout = layout.with_remainders(bool(cfg.store_param_remainders)
+                                             and layout.remainders_apply(model_dtype))
+        self.params_are_model = params_are_model
         self.params = list(params)
         self.rank = rank
         self.device = device
@@ -105,8 +123,9 @@ class OffloadEngine:
         # reference implementation in the last bit, and on a CPU run the reference is what
         # megatron-core's own optimizer uses, so CPU runs stay bit-identical to it.
         self.adam = SubgroupAdam(self.subgroups, self.layout, fused=is_cuda)
+        param_dtype = model_dtype if self.layout.remainders else None
         self.write_back = (StagedWriteBack(self.params, self.subgroups, self.layout,
-                                           self.max_numel, device) if is_cuda
+                                           self.max_numel, device, model_dtype) if is_cuda
                            else HostWriteBack(self.params, self.subgroups))
         self.store = SubgroupStore(cfg, self.tiers, jobdirs, self.tier_plan, rank=rank,
                                    device=device, subgroups=self.subgroups, layout=self.layout,
@@ -117,7 +136,8 @@ class OffloadEngine:
             self.params, self.subgroups, self.adam, self.stats, device=device,
             max_numel=self.max_numel,
             allocate=is_cuda and bool(plan.device_auto or plan.device_members
-                                      or cfg.offload_gpu_update))
+                                      or cfg.offload_gpu_update),
+            param_dtype=param_dtype)
         self.streamed = stream_updater(self.on_device, self.store, cfg.offload_gpu_update)
         if is_cuda and plan.device_auto:
             # megatron-core's optimizer made fp32 masters of the whole shard on the device
@@ -125,10 +145,14 @@ class OffloadEngine:
             torch.cuda.reset_peak_memory_stats(device)
         grads = gradient_source(cfg.offload_delayed_grad_conversion, self.params,
                                 self.subgroups, self.max_numel, device=device,
-                                grad_dtype=grad_dtype, store=self.store)
+                                grad_dtype=grad_dtype, store=self.store,
+                                param_dtype=param_dtype)
         self.cpu = CpuUpdater(self.subgroups, grads, self.adam, self.write_back, self.stats)
         self.updaters = {Updater.DEVICE: self.on_device, Updater.STREAM: self.streamed,
                          Updater.CPU: self.cpu}
+        if rank == 0:
+            log.info("offload: optimizer states of %d elements per rank in %d subgroups, %s",
+                     self.total_numel, len(self.subgroups), self.layout.describe())
 
     # ----------------------------------------------------------------- views of the parts
 
@@ -269,26 +293,59 @@ class OffloadEngine:
         """Every state from ``fill(param, start, length, [master, exp_avg, exp_avg_sq])``.
 
         ``fill`` writes elements ``[start, start + length)`` of shard parameter ``param``
-        into the three fp32 views; it is called piece by piece, a subgroup at a time, and
-        what the cache cannot keep is written out as it goes. ``step``: the Adam steps the
-        states have taken (their bias correction continues from it).
+        into the three views (the master's fp32, the moments' in their dtypes); it is
+        called piece by piece, a subgroup at a time, and what the cache cannot keep is
+        written out as it goes. ``step``: the Adam steps the states have taken (their bias
+        correction continues from it). With remainders the params' ``out`` become the bf16
+        weights of the masters (the other half of each master).
         """
         self.step_count = step
         self.store.version = [step] * len(self.subgroups)
+        remainders = self.layout.remainders
+        master = torch.empty(self.max_numel if remainders else 0, dtype=torch.float32)
+        weights = torch.empty(self.max_numel if remainders else 0, dtype=self.model_dtype)
 
         def source(index: int, buffer: torch.Tensor) -> None:
+            sg = self.subgroups[index]
             views = self._views(buffer, index)
-            for piece in self.subgroups[index].pieces:
+            into = [master[:sg.numel], *views[1:]] if remainders else views
+            for piece in sg.pieces:
                 fill(piece.param, piece.start, piece.length,
-                     [view[piece.offset:piece.offset + piece.length] for view in views])
+                     [view[piece.offset:piece.offset + piece.length] for view in into])
+            if remainders:
+                store_masters(self.layout, views, master[:sg.numel], weights[:sg.numel])
+                scatter(self.params, sg, weights[:sg.numel])
         self._fill(source)
+
+    def full_states(self, index: int) -> List[torch.Tensor]:
+        """Subgroup ``index``'s [master, exp_avg, exp_avg_sq] as the math sees them (copies).
+
+        The master in fp32 (rebuilt from the remainders and the weights where they are
+        used), the moments in their dtypes without the bit remainders keep in exp_avg_sq.
+        """
+        sg = self.subgroups[index]
+        buffer = self._acquire_sync(index)
+        views = self._views(buffer, index)
+        outs = [torch.empty(sg.numel, dtype=torch.float32),
+                torch.empty_like(views[1], device="cpu"), torch.empty_like(views[2], device="cpu")]
+        params = self._weights_of(index, buffer.device) if self.layout.remainders else None
+        read_masters(self.layout, views, 0, sg.numel, params, outs)
+        return outs
+
+    def _weights_of(self, index: int, device: torch.device) -> torch.Tensor:
+        """Subgroup ``index``'s current weights (from the params' ``out``) on ``device``."""
+        sg = self.subgroups[index]
+        return gather_params(self.params, sg, torch.empty(sg.numel, dtype=self.model_dtype,
+                                                          device=device))
 
     def read_states(self, param: int, start: int, length: int,
                     outs: Sequence[torch.Tensor]) -> None:
         """Copies some of one shard parameter's states into ``outs``.
 
         Elements ``[start, start + length)`` of parameter ``param``'s master, exp_avg and
-        exp_avg_sq go into the three tensors ``outs``; subgroups are fetched as needed.
+        exp_avg_sq go into the three tensors ``outs``; subgroups are fetched as needed. The
+        masters are whole fp32 (rebuilt from their remainders and the weights where those
+        are stored): what a checkpoint of Megatron-LM's format holds.
         """
         if self._param_pieces is None:
             self._param_pieces = {}
@@ -299,21 +356,34 @@ class OffloadEngine:
             lo, hi = max(start, piece.start), min(start + length, piece.start + piece.length)
             if lo >= hi:
                 continue
-            views = self._views(self._acquire_sync(index), index)
+            buffer = self._acquire_sync(index)
+            views = self._views(buffer, index)
             at = piece.offset + lo - piece.start
-            for view, out in zip(views, outs):
-                out[lo - start:hi - start].copy_(view[at:at + hi - lo])
+            weights = (self.params[param].out[lo:hi] if self.layout.remainders else None)
+            read_masters(self.layout, views, at, hi - lo, weights,
+                         [out[lo - start:hi - start] for out in outs])
 
     def reset_masters_from_model(self) -> None:
-        """Rebuilds the fp32 masters from the model's weights, keeping the moments."""
+        """Rebuilds the fp32 masters from the model's weights, keeping the moments.
+
+        With remainders: zero remainders and ``up`` bits, and the weights written into the
+        params' ``out`` (the same values where those are the model's weights).
+        """
         if not self.initialized:
             return
         for index, sg in enumerate(self.subgroups):
-            master = self._views(self._acquire_sync(index), index)[0]
+            buffer = self._acquire_sync(index)
+            views = self._views(buffer, index)
+            master = (torch.empty(sg.numel, dtype=torch.float32, device=buffer.device)
+                      if self.layout.remainders else views[0])
             for piece in sg.pieces:
                 src = self.params[piece.param].init().reshape(-1)
                 master[piece.offset:piece.offset + piece.length].copy_(
                     src[piece.start:piece.start + piece.length])
+            if self.layout.remainders:
+                weights = torch.empty(sg.numel, dtype=self.model_dtype, device=buffer.device)
+                store_masters(self.layout, views, master, weights)
+                scatter(self.params, sg, weights)
             if not self.tier_plan.on_device(index):
                 self.cache.get(index).dirty = True
         self.wait_io()
@@ -376,7 +446,12 @@ class OffloadEngine:
         self.stats.steps += 1
 
     def write_all_params(self) -> None:
-        """Copies every fp32 master into the model (used after a load)."""
+        """Copies every fp32 master into the model (used after a load).
+
+        With remainders there is nothing to copy: the weights are the masters' top halves.
+        """
+        if self.layout.remainders:
+            return
         for index in range(len(self.subgroups)):
             master = self._views(self._acquire_sync(index), index)[0]
             if self.tier_plan.on_device(index):
@@ -398,15 +473,40 @@ class OffloadEngine:
                                                  self.layout), extra)
 
     def load(self, directory: str, expect: dict) -> None:
-        """Restores this rank's state from a checkpoint's offload directory."""
+        """Restores this rank's state from a checkpoint's offload directory.
+
+        States saved with the masters stored the other way (whole or as remainders:
+        ``--no-store-param-remainders``) are converted as they are read.
+        """
         manifest, read = checkpoint.open_rank(directory, self.rank, expect,
                                               fingerprint=self.fingerprint,
                                               layout=self.layout, cfg=self.cfg)
+        saved = checkpoint.saved_layout(manifest, self.layout)
         self.wait_io()
         self.store.drop_cached()
         self.step_count = manifest["step"]
         self.store.forget_files(self.step_count)
-        self._fill(lambda index, buffer: read(self.store, index, buffer))
+        if saved == self.layout:
+            self._fill(lambda index, buffer: read(self.store, index, buffer))
+            return
+        staging = aligned_empty(saved.nbytes(self.max_numel))
+
+        def source(index: int, buffer: torch.Tensor) -> None:
+            sg = self.subgroups[index]
+            read(self.store, index, staging, saved)
+            weights = self._weights_of(index, torch.device("cpu"))
+            needed = convert(saved, saved.views(staging, sg.numel), self.layout,
+                             self._views(buffer, index), weights)
+            if needed is None:
+                return
+            if not self.params_are_model:
+                scatter(self.params, sg, needed)
+            elif not torch.equal(needed.view(torch.int16), weights.view(torch.int16)):
+                raise UsageError(
+                    f"{directory}: its optimizer states hold whole fp32 masters whose bf16 "
+                    "rounding is not the loaded model's weights, so they cannot be stored as "
+                    "remainders: resume with --no-store-param-remainders")
+        self._fill(source)
 
     # ----------------------------------------------------------------- metrics, shutdown
 

@@ -6,7 +6,11 @@ one contiguous byte buffer: the three arrays one after the other, each in its ow
 by default: 12 bytes per element, 8 with bf16 moments) and each starting on a 4-byte
 boundary so that every dtype can be viewed in place. With all three in fp32 the layout is
 the engine's original ``3n`` fp32 floats, byte for byte, so state files keep their format.
-The same layout is used in every tier (GPU memory, host cache, files) and on the wire.
+With ``remainders`` (bf16 parameters, fp32 masters: ``--no-store-param-remainders`` turns
+it off) the master is stored as its low 16 bits (int16) beside the bf16 parameter, and
+exp_avg_sq's sign bit holds the bit that completes it (:mod:`.remainders`): 10 bytes per
+element, 6 with bf16 moments. The same layout is used in every tier (GPU memory, host
+cache, files) and on the wire.
 """
 
 from __future__ import annotations
@@ -32,6 +36,20 @@ class StateLayout:
     master: torch.dtype = torch.float32
     exp_avg: torch.dtype = torch.float32
     exp_avg_sq: torch.dtype = torch.float32
+    remainders: bool = False
+    """The fp32 master stored as its 16-bit remainder beside the bf16 parameter."""
+
+    def __post_init__(self):
+        if self.remainders and self.master != torch.float32:
+            raise ValueError("remainders hold fp32 masters only")
+
+    def with_remainders(self, on: bool = True) -> "StateLayout":
+        """A copy of the layout with the masters stored as remainders (``on``) or whole."""
+        return dataclasses.replace(self, remainders=on)
+
+    def remainders_apply(self, model_dtype: torch.dtype) -> bool:
+        """Whether remainders are exact here: fp32 masters of bf16 parameters."""
+        return self.master == torch.float32 and model_dtype == torch.bfloat16
 
     @classmethod
     def from_names(cls, master: str = "fp32", exp_avg: str = "fp32",
@@ -41,19 +59,33 @@ class StateLayout:
 
     @property
     def dtypes(self) -> Tuple[torch.dtype, torch.dtype, torch.dtype]:
-        """(master, exp_avg, exp_avg_sq)."""
-        return (self.master, self.exp_avg, self.exp_avg_sq)
+        """The stored arrays' dtypes: (master or int16 remainder, exp_avg, exp_avg_sq)."""
+        return (torch.int16 if self.remainders else self.master, self.exp_avg,
+                self.exp_avg_sq)
 
     @property
     def names(self) -> List[str]:
-        """The dtypes as Megatron-LM names them (recorded in checkpoint manifests)."""
+        """The states' dtypes as Megatron-LM names them (master, exp_avg, exp_avg_sq).
+
+        The master's is its own (fp32) with remainders too: :attr:`remainders` says how
+        it is stored. Both are recorded in checkpoint manifests.
+        """
         back = {v: k for k, v in DTYPES.items()}
-        return [back[d] for d in self.dtypes]
+        return [back[d] for d in (self.master, self.exp_avg, self.exp_avg_sq)]
 
     @property
     def exact(self) -> bool:
-        """Whether every state is fp32 (the Adam math then runs on the stored arrays)."""
-        return all(d == torch.float32 for d in self.dtypes)
+        """Whether every state is fp32 or exact (the Adam math sees them unrounded)."""
+        return all(d == torch.float32 for d in (self.master, self.exp_avg, self.exp_avg_sq))
+
+    def describe(self) -> str:
+        """The bytes per element and what they hold, for the start-up log line."""
+        if self.remainders:
+            masters = "fp32 masters as 16-bit remainders beside the bf16 parameters"
+        else:
+            masters = f"{self.names[0]} masters"
+        moments = "/".join(self.names[1:])
+        return f"{self.bytes_per_element} B/element: {masters}, {moments} moments"
 
     @property
     def bytes_per_element(self) -> int:

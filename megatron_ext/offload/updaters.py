@@ -5,8 +5,8 @@ Each updater has one ``update(index, buffer, args)``: subgroup ``index``'s state
 go into the model's param buffer in the model's dtype.
 
 * :class:`CpuUpdater`: gradients to the host, CPU Adam on the host buffer, weights back
-  through a :class:`WriteBack`. Its gradients come from a source chosen once, at
-  construction (:func:`gradient_source`): delayed in-place conversion (the training dtype
+  through a write-back (:mod:`.staging`). Its gradients come from a source chosen once, at
+  construction (:func:`.staging.gradient_source`): delayed in-place conversion (the training dtype
   crosses to the host and becomes fp32 inside the subgroup's update) or fp32 first
   (``--no-offload-delayed-grad-conversion``: the whole shard's fp32 gradients before the
   update, through the tier files, as ZeRO-Infinity does).
@@ -17,6 +17,13 @@ go into the model's param buffer in the model's dtype.
 
 One Adam (:class:`SubgroupAdam`) for every tier and updater, so that on a CPU run all of
 them do the same arithmetic: bit for bit equal to megatron-core's optimizer.
+
+With remainders (:mod:`.remainders`: the layout stores each fp32 master as 16 bits beside
+the bf16 parameter) every updater hands the Adam the subgroup's current bf16 parameters
+as well: it rebuilds the fp32 masters in a scratch, steps, and splits them again; the new
+bf16 parameters are what the write-back sends (half the bytes of fp32 masters). The CPU
+updater's parameters come with its gradients (on a CUDA model, D2H beside them, on the
+same stream); the device's are gathered from the model where they are.
 """
 
 from __future__ import annotations
@@ -27,6 +34,14 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext.offload.remainders import decode, encode, sign_bits
+from megatron_ext.offload.staging import (
+    GradSource,
+    HostWriteBack,
+    gather_grads,
+    gather_params,
+    scatter,
+)
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import Subgroup
@@ -52,21 +67,6 @@ class StepArgs:
     """``inv_scale`` on the model's device (for the device's updates)."""
 
 
-def scatter(params: Sequence["ShardParam"], sg: Subgroup, master: torch.Tensor) -> None:
-    """Subgroup ``sg``'s new weights into the model's param buffers (synchronous copies)."""
-    for piece in sg.pieces:
-        params[piece.param].out[piece.start:piece.start + piece.length].copy_(
-            master[piece.offset:piece.offset + piece.length])
-
-
-def gather_grads(params: Sequence["ShardParam"], sg: Subgroup, grads: torch.Tensor) -> None:
-    """Subgroup ``sg``'s gradients from the model's grad buffers into ``grads``."""
-    for piece in sg.pieces:
-        src = params[piece.param].grad().reshape(-1)
-        grads[piece.offset:piece.offset + piece.length].copy_(
-            src[piece.start:piece.start + piece.length])
-
-
 class SubgroupAdam:
     """A subgroup's AdamW step on its state buffer, host or device."""
 
@@ -74,18 +74,52 @@ class SubgroupAdam:
         self.subgroups, self.layout = subgroups, layout
         self.fused = fused
         """Torch's fused kernel for host states (set on GPU machines, see adam_update)."""
+        self.max_numel = max((sg.numel for sg in subgroups), default=0)
+        self._masters: Dict[torch.device, torch.Tensor] = {}
+
+    def master_scratch(self, device: torch.device) -> torch.Tensor:
+        """The fp32 scratch where remainders become masters for the math (one per device)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        scratch = self._masters.get(device)
+        if scratch is None:
+            scratch = torch.empty(self.max_numel, dtype=torch.float32, device=device)
+            self._masters[device] = scratch
+        return scratch
 
     def __call__(self, index: int, buffer: torch.Tensor, grads: torch.Tensor, step: int,
-                 hparams: Sequence[dict]) -> torch.Tensor:
-        """Subgroup ``index``'s Adam step on its state buffer (host or device); its master.
+                 hparams: Sequence[dict], params: Optional[torch.Tensor] = None,
+                 params_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Subgroup ``index``'s Adam step on its state buffer (host or device).
 
         One function for every tier and updater, so that on a CPU run all of them do the
         same arithmetic (torch's reference AdamW, megatron-core's): bit for bit equal.
         States stored in fp16/bf16 are widened to fp32 for the math and rounded back.
+
+        Args:
+            index: the subgroup.
+            buffer: its state buffer.
+            grads: its fp32 gradients (unscaled and clipped), on the buffer's device.
+            step: the Adam step the states take.
+            hparams: the param groups' settings, by index.
+            params: with remainders: the subgroup's current bf16 weights (contiguous, on
+                the buffer's device); the masters are rebuilt from them.
+            params_out: with remainders: where the new bf16 weights go (default: into
+                ``params``).
+
+        Returns:
+            What the model's weights become: the fp32 masters (a view of the buffer), or
+            with remainders the new bf16 weights.
         """
         sg = self.subgroups[index]
         states = self.layout.views(buffer, sg.numel)
         on_device = buffer.is_cuda
+        if self.layout.remainders:
+            rem, v_bits = states[0], sign_bits(states[2])
+            master = decode(params, rem, v_bits,
+                            self.master_scratch(buffer.device)[:sg.numel])
+            states = [master, states[1], states[2]]
         for group, offset, length in sg.runs:
             span = slice(offset, offset + length)
             parts = [t[span] if t.dtype == torch.float32 else t[span].float() for t in states]
@@ -97,6 +131,8 @@ class SubgroupAdam:
             for state, part in zip(states, parts):
                 if state.dtype != torch.float32:
                     state[span].copy_(part)
+        if self.layout.remainders:
+            return encode(states[0], rem, v_bits, params if params_out is None else params_out)
         return states[0]
 
 
@@ -121,216 +157,13 @@ def _device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
          decoupled_weight_decay=True)
 
 
-# ---------------------------------------------------------------- write-back
-
-
-class HostWriteBack:
-    """New weights into the model's param buffer, in the model's dtype (host model)."""
-
-    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup]):
-        self.params, self.subgroups = params, subgroups
-
-    def __call__(self, index: int, master: torch.Tensor, slot: int) -> None:
-        """Copies subgroup ``index``'s ``master`` into the model (``slot``: unused here)."""
-        scatter(self.params, self.subgroups[index], master)
-
-    def wait_readers(self) -> None:
-        """Nothing in flight reads a host buffer."""
-
-    def finish(self) -> None:
-        """Nothing in flight at the end of a step."""
-
-    def sync(self) -> None:
-        """Nothing in flight."""
-
-
-class StagedWriteBack(HostWriteBack):
-    """New weights to a CUDA model: on a copy stream, through two device stages.
-
-    New fp32 masters cross to the device straight from their pinned state buffer and are
-    cast there: a CPU cast pass over the shard costs more than the extra PCIe bytes
-    (measured on the H200 machine, 2026-11-30).
-    """
-
-    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 layout: StateLayout, max_numel: int, device: torch.device):
-        super().__init__(params, subgroups)
-        self.device = device
-        self._h2d = torch.cuda.Stream(device)
-        self._out_stage = [torch.empty(max_numel, dtype=layout.master, device=device)
-                           for _ in range(2)]
-        self._out_events = [None, None]
-
-    def __call__(self, index: int, master: torch.Tensor, slot: int) -> None:
-        """Starts the copy of subgroup ``index``'s ``master`` through stage ``slot``."""
-        sg = self.subgroups[index]
-        if self._out_events[slot] is not None:
-            self._out_events[slot].synchronize()
-        stage = self._out_stage[slot][:sg.numel]
-        with torch.cuda.stream(self._h2d):
-            stage.copy_(master, non_blocking=True)
-            for piece in sg.pieces:
-                self.params[piece.param].out[piece.start:piece.start + piece.length].copy_(
-                    stage[piece.offset:piece.offset + piece.length], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._h2d)
-        self._out_events[slot] = event
-
-    def wait_readers(self) -> None:
-        """Waits until no master is still crossing to the device from a host buffer."""
-        for event in self._out_events:
-            if event is not None:
-                event.synchronize()
-
-    def finish(self) -> None:
-        """The training stream waits for the step's weights."""
-        torch.cuda.current_stream(self.device).wait_stream(self._h2d)
-
-    def sync(self) -> None:
-        """The training stream waits for the weights, and stage 0's copy has ended."""
-        torch.cuda.current_stream(self.device).wait_stream(self._h2d)
-        self._out_events[0].synchronize()
-
-
-# ---------------------------------------------------------------- gradient sources
-
-
-class _GradSource:
-    """The CPU updater's fp32 gradients of a subgroup, unscaled and clipped."""
-
-    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 max_numel: int):
-        self.params, self.subgroups = params, subgroups
-        self._scratch = torch.empty(max_numel, dtype=torch.float32)
-
-    def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
-        """A step starts; ``order``: the subgroups the CPU updates, in order."""
-
-    def issue(self, index: int, slot: int) -> None:
-        """Subgroup ``index`` is next after the one being updated (a chance to copy ahead)."""
-
-    def end(self) -> None:
-        """The step ended."""
-
-
-class HostGrads(_GradSource):
-    """Delayed conversion, host model: the training-dtype gradients converted in place."""
-
-    def fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
-        """Subgroup ``index``'s fp32 gradients, unscaled and clipped like megatron-core's."""
-        grads = self._scratch[:self.subgroups[index].numel]
-        gather_grads(self.params, self.subgroups[index], grads)
-        unscale_and_clip(grads, inv_scale, clip_coeff)
-        return grads
-
-
-class PinnedGrads(_GradSource):
-    """Delayed conversion, CUDA model: training-dtype gradients D2H into pinned stages.
-
-    The next subgroup's copy runs on its own stream while this one's Adam runs.
-    """
-
-    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 max_numel: int, device: torch.device, grad_dtype: torch.dtype):
-        super().__init__(params, subgroups, max_numel)
-        self.device = device
-        self._d2h = torch.cuda.Stream(device)
-        self._grad_stage = [torch.empty(max_numel, dtype=grad_dtype, pin_memory=True)
-                            for _ in range(2)]
-        self._grad_events = [None, None]
-
-    def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
-        """The copies wait for the backward; the first subgroup's starts."""
-        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        if order:
-            self.issue(order[0], 0)
-
-    def issue(self, index: int, slot: int) -> None:
-        """Starts the D2H copy of a subgroup's gradients (training dtype) into pinned memory."""
-        stage = self._grad_stage[slot]
-        with torch.cuda.stream(self._d2h):
-            for piece in self.subgroups[index].pieces:
-                src = self.params[piece.param].grad().reshape(-1)
-                stage[piece.offset:piece.offset + piece.length].copy_(
-                    src[piece.start:piece.start + piece.length], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._d2h)
-        self._grad_events[slot] = event
-
-    def fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
-        """Subgroup ``index``'s fp32 gradients, unscaled and clipped like megatron-core's."""
-        grads = self._scratch[:self.subgroups[index].numel]
-        self._grad_events[slot].synchronize()
-        grads.copy_(self._grad_stage[slot][:grads.numel()])
-        unscale_and_clip(grads, inv_scale, clip_coeff)
-        return grads
-
-
-class Fp32FirstGrads(_GradSource):
-    """Without delayed conversion: the shard's fp32 gradients first, as ZeRO-Infinity does.
-
-    Each subgroup's gradients become fp32 on the model's device, cross to the host in fp32
-    and, for subgroups outside the cache, go to the tier and come back in the update.
-    """
-
-    def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
-                 max_numel: int, store: SubgroupStore):
-        super().__init__(params, subgroups, max_numel)
-        self.store = store
-        # Each subgroup's fp32 gradients of this step, in host memory (a tensor) or in a
-        # file on the path of that index (an int).
-        self._staged: Dict[int, object] = {}
-
-    def begin(self, order: Sequence[int], inv_scale, clip_coeff) -> None:
-        """Stages the fp32 gradients of every subgroup in ``order``."""
-        start = time.perf_counter()
-        for index in order:
-            sg = self.subgroups[index]
-            host = torch.empty(sg.numel, dtype=torch.float32)
-            for piece in sg.pieces:
-                src = self.params[piece.param].grad().reshape(-1)
-                part = src[piece.start:piece.start + piece.length].float()
-                unscale_and_clip(part, inv_scale, clip_coeff)
-                host[piece.offset:piece.offset + piece.length].copy_(part)
-            if self.store.tiers and index not in self.store.cache:
-                self._staged[index] = self.store.write(index, host, kind="grad")
-            else:
-                self._staged[index] = host
-        self.store.stats.add("convert", time.perf_counter() - start)
-
-    def fp32(self, index: int, slot: int, inv_scale, clip_coeff) -> torch.Tensor:
-        """Subgroup ``index``'s staged fp32 gradients (already unscaled and clipped)."""
-        grads = self._scratch[:self.subgroups[index].numel]
-        staged = self._staged[index]
-        if isinstance(staged, int):
-            self.store.read(index, grads, kind="grad", path=staged)
-        else:
-            grads.copy_(staged)
-        return grads
-
-    def end(self) -> None:
-        """Forgets the step's gradients."""
-        self._staged.clear()
-
-
-def gradient_source(delayed: bool, params: Sequence["ShardParam"],
-                    subgroups: Sequence[Subgroup], max_numel: int, *, device: torch.device,
-                    grad_dtype: torch.dtype, store: SubgroupStore) -> _GradSource:
-    """The CPU updater's gradients: delayed conversion (host or CUDA model) or fp32 first."""
-    if not delayed:
-        return Fp32FirstGrads(params, subgroups, max_numel, store)
-    if device.type == "cuda":
-        return PinnedGrads(params, subgroups, max_numel, device, grad_dtype)
-    return HostGrads(params, subgroups, max_numel)
-
-
 # ---------------------------------------------------------------- updaters
 
 
 class CpuUpdater:
     """CPU Adam on host buffers; the CPU-updated subgroups alternate two staging slots."""
 
-    def __init__(self, subgroups: Sequence[Subgroup], grads: _GradSource, adam: SubgroupAdam,
+    def __init__(self, subgroups: Sequence[Subgroup], grads: GradSource, adam: SubgroupAdam,
                  write_back: HostWriteBack, stats: StepStats):
         self.subgroups, self.grads, self.adam = subgroups, grads, adam
         self.write_back, self.stats = write_back, stats
@@ -351,8 +184,10 @@ class CpuUpdater:
         slot = self._slot[index]
         t0 = time.perf_counter()
         grads = self.grads.fp32(index, slot, args.inv_scale, args.clip_coeff)
+        params = self.grads.params_of(index, slot)
         t1 = time.perf_counter()
-        master = self.adam(index, buffer, grads, args.step, args.hparams)
+        target = self.write_back.target(index, slot) if params is not None else None
+        master = self.adam(index, buffer, grads, args.step, args.hparams, params, target)
         t2 = time.perf_counter()
         self.write_back(index, master, slot)
         t3 = time.perf_counter()
@@ -379,18 +214,33 @@ class DeviceUpdater:
     """The fused device Adam on a state buffer on the device (current stream).
 
     The gradients never leave the device; the new weights go straight into the model's
-    buffer.
+    buffer. With remainders the subgroup's weights are gathered from the model into a
+    device scratch, the update rebuilds the masters from them and leaves the new weights
+    there, and they are scattered back.
     """
 
     def __init__(self, params: Sequence["ShardParam"], subgroups: Sequence[Subgroup],
                  adam: SubgroupAdam, stats: StepStats, *, device: torch.device,
-                 max_numel: int, allocate: bool):
+                 max_numel: int, allocate: bool, param_dtype: Optional[torch.dtype] = None):
         self.params, self.subgroups, self.adam, self.stats = params, subgroups, adam, stats
         self.device, self.max_numel = device, max_numel
         self.is_cuda = device.type == "cuda"
+        self.param_dtype = param_dtype
+        """With remainders, the model's dtype; None without."""
         # Allocated now (``allocate``) so that ``auto`` sizing measures it in the first peak.
-        self._grad: Optional[torch.Tensor] = (
-            torch.empty(max_numel, dtype=torch.float32, device=device) if allocate else None)
+        self._grad: Optional[torch.Tensor] = None
+        self._param: Optional[torch.Tensor] = None
+        if allocate:
+            self._scratch()
+
+    def _scratch(self) -> None:
+        """The device scratches: fp32 gradients; with remainders, weights and masters."""
+        if self._grad is None:
+            self._grad = torch.empty(self.max_numel, dtype=torch.float32, device=self.device)
+        if self.param_dtype is not None and self._param is None:
+            self._param = torch.empty(self.max_numel, dtype=self.param_dtype,
+                                      device=self.device)
+            self.adam.master_scratch(self.device)
 
     def scale(self, inv_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``inv_scale`` on the device (a non-blocking copy on CUDA)."""
@@ -401,8 +251,7 @@ class DeviceUpdater:
     def _grads(self, index: int, inv_scale, clip_coeff) -> torch.Tensor:
         """The subgroup's fp32 gradients on the model's device, unscaled and clipped."""
         sg = self.subgroups[index]
-        if self._grad is None:
-            self._grad = torch.empty(self.max_numel, dtype=torch.float32, device=self.device)
+        self._scratch()
         grads = self._grad[:sg.numel]
         gather_grads(self.params, sg, grads)
         return unscale_and_clip(grads, inv_scale, clip_coeff)
@@ -410,8 +259,11 @@ class DeviceUpdater:
     def apply(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
         """The step of the state buffer ``state`` on the device; the weights to the model."""
         grads = self._grads(index, args.device_inv_scale, args.clip_coeff)
-        master = self.adam(index, state, grads, args.step, args.hparams)
-        scatter(self.params, self.subgroups[index], master)
+        sg = self.subgroups[index]
+        params = (gather_params(self.params, sg, self._param[:sg.numel])
+                  if self.param_dtype is not None else None)
+        master = self.adam(index, state, grads, args.step, args.hparams, params)
+        scatter(self.params, sg, master)
 
     def update(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
         """A device-tier subgroup's step (timed for the metrics)."""

@@ -232,6 +232,11 @@ class TieredCpuStates(CpuStates):
     gradients as the gradients and the upload buffers as the model weights it writes.
     Re-selection fills a new engine (its files in a directory of their own) from the GPU
     side's states and the old engine's, then closes the old one and removes its files.
+
+    The engine's layout comes with it: with bf16 weights its masters are 16-bit remainders
+    beside the upload buffers (``--no-store-param-remainders`` turns it off), which then
+    always hold the masters' bf16 weights (every update and fill writes them); a checkpoint
+    keeps them in the rank file (:meth:`state_dict`), 2 bytes per delayed element.
     """
 
     def __init__(self, make_engine: Callable):
@@ -247,6 +252,7 @@ class TieredCpuStates(CpuStates):
         engine."""
         self._grads: Dict[int, torch.Tensor] = {}
         self._init: Dict[int, torch.Tensor] = {}
+        self._upload: Dict[int, torch.Tensor] = {}
 
     def _new_engine(self, sizes: Dict[int, int], upload: Dict[int, torch.Tensor]):
         from megatron_ext.offload.subgroups import ShardParam
@@ -254,6 +260,7 @@ class TieredCpuStates(CpuStates):
         params = [ShardParam(numel=n, group=g, grad=lambda g=g: self._grads[g],
                              out=upload[g], init=lambda g=g: self._init[g])
                   for g, n in sorted(sizes.items())]
+        self._upload = upload
         return self._make_engine(params, self.generation)
 
     def resize(self, sizes: Dict[int, int], upload: Dict[int, torch.Tensor]) -> None:
@@ -331,14 +338,25 @@ class TieredCpuStates(CpuStates):
                              lambda sizes, fill: self.replace(sizes, renew(sizes), fill))
 
     def state_dict(self) -> Dict[str, Dict[int, torch.Tensor]]:
-        """None in the rank file: the engine saves its files with the checkpoint."""
-        return {}
+        """What the rank file holds: with remainders, the bf16 weights beside them.
+
+        The states themselves are not there: the engine saves its files with the
+        checkpoint.
+        """
+        if self.engine is None or not self.engine.layout.remainders:
+            return {}
+        return {"params": {g: t.clone() for g, t in self._upload.items()}}
 
     def load_state_dict(self, saved: Dict[str, Dict[int, torch.Tensor]]) -> None:
-        """Nothing to copy; refuses a state that holds the states (saved in host memory)."""
-        if any(saved.values()):
+        """The weights beside remainders, if saved.
+
+        Refuses a state that holds the states (saved in host memory).
+        """
+        if any(saved.get(kind) for kind in KINDS):
             raise UsageError("the ZenFlow state holds the CPU side's states: it was saved with "
                              "--zenflow-cpu-states host (in host memory); resume with the same")
+        for group, tensor in saved.get("params", {}).items():
+            self._upload[group].copy_(tensor)
 
     def save(self, directory: str, layout) -> None:
         """The engine's states into ``directory`` (no engine: no delayed columns)."""
@@ -358,7 +376,7 @@ class TieredCpuStates(CpuStates):
         """The engine's host cache."""
         if self.engine is None:
             return 0
-        return len(self.engine.cache) * self.engine.max_numel * 12
+        return len(self.engine.cache) * self.engine.buffer_bytes
 
     def close(self) -> None:
         """Stops the engine (its tier files are removed)."""
@@ -382,7 +400,8 @@ def offload_engines(offload_config, run_id: str, tiers, *, rank: int,
         engine = OffloadEngine(offload_config, params, rank=rank, device=torch.device("cpu"),
                                tiers=tiers, run_id=run_id if not generation else
                                f"{run_id}.selection{generation}",
-                               model_dtype=model_dtype, grad_dtype=torch.float32)
+                               model_dtype=model_dtype, grad_dtype=torch.float32,
+                               params_are_model=False)
         engine.fused_adam = fused_adam
         return engine
     return make_engine

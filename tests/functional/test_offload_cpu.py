@@ -251,17 +251,23 @@ def test_stdout_line_carries_the_offload_breakdown(tmp_path):
 # ---------------------------------------------------------------- the hierarchy of tiers
 
 STREAM = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
-# 12 subgroups of 120 KB: a device tier of 0.0005 GB holds 4 of them.
+# 12 subgroups of 120 KB (fp32 masters) or 100 KB (bf16 weights: masters as remainders):
+# a device tier of 4.5 subgroups holds 4 of them.
 DEVICE = ["--offload-device-cache-gb", "0.0005"]
+DEVICE_BF16 = ["--offload-device-cache-gb", "0.00045"]
 
 
-def tier_flags(tmp_path, layout: str) -> list:
-    """Flags of a tier combination: device only, device + host, device + host + two paths."""
+def tier_flags(tmp_path, layout: str, bf16_remainders: bool = False) -> list:
+    """Flags of a tier combination: device only, device + host, device + host + two paths.
+
+    ``bf16_remainders``: sized for 10 bytes per element (bf16 weights, remainders on).
+    """
+    device = DEVICE_BF16 if bf16_remainders else DEVICE
     if layout == "device-only":
         return ["--offload-device-cache-gb", "1", "--offload-subgroup-size", "10000"]
     if layout == "device+host":
-        return [*DEVICE, "--offload-subgroup-size", "10000"]
-    return [*DEVICE, *path_flags(tmp_path, 2)]
+        return [*device, "--offload-subgroup-size", "10000"]
+    return [*device, *path_flags(tmp_path, 2)]
 
 
 # bf16: every combination, with and without the streamed update (on the CPU the "device"
@@ -273,11 +279,14 @@ TIER_MATRIX = [("device-only", False), ("device+host", True), ("all-tiers", Fals
 @pytest.mark.parametrize("layout,stream", TIER_MATRIX,
                          ids=[f"{lay}{'-streamed' if s else ''}" for lay, s in TIER_MATRIX])
 def test_state_tiers_match_plain_optimizer(tmp_path, baseline, layout, stream):
-    _, out = run_offload(tmp_path, ["--bf16", *tier_flags(tmp_path, layout)],
+    # bf16: the masters as remainders (the default; the whole masters of
+    # --no-store-param-remainders: tests/functional/test_remainders_cpu.py).
+    _, out = run_offload(tmp_path, ["--bf16", *tier_flags(tmp_path, layout, True)],
                          env={STREAM: "0.5"} if stream else None)
     records = read_metrics(out)
     assert losses_of(records) == baseline("bf16")
     last = [r for r in records if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/state_bytes_per_element"] == 10
     assert last["offload/device_subgroups_n"] == (12 if layout == "device-only" else 4)
     assert (last["offload/streamed_subgroups"] > 0) == stream
     assert (last["offload/io_bytes"] > 0) == (layout == "all-tiers")
@@ -300,8 +309,10 @@ def test_auto_device_tier_sizes_itself_and_gives_back(tmp_path, baseline):
     # 5 subgroups of 120 KB with 0.1 MB reserve), then 0.6 MB (room for 2).
     env = {"MEGATRON_EXT_DEVICE_MEMORY_LIMIT_GB": "0.001",
            "MEGATRON_EXT_DEVICE_PEAK_GB": "1:0.0003,6:0.0006", STREAM: "0.5"}
+    # Sized in subgroups of 120 KB: whole masters.
     result, out = run_offload(tmp_path, ["--bf16", "--offload-device-cache-gb", "auto",
                                          "--offload-device-reserve-gb", "0.0001",
+                                         "--no-store-param-remainders",
                                          *path_flags(tmp_path, 2)], env=env)
     records = read_metrics(out)
     assert losses_of(records) == baseline("bf16")
@@ -312,8 +323,10 @@ def test_auto_device_tier_sizes_itself_and_gives_back(tmp_path, baseline):
 
 
 def test_bf16_moments_train_with_8_bytes_per_element(tmp_path, baseline):
-    _, out = run_offload(tmp_path, ["--bf16", "--use-precision-aware-optimizer",
-                                    "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+    """8 bytes with whole masters; 6 with remainders (the default), the same losses."""
+    moments = ["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+               "--exp-avg-sq-dtype", "bf16"]
+    _, out = run_offload(tmp_path, [*moments, "--no-store-param-remainders",
                                     *tier_flags(tmp_path, "all-tiers")], env={STREAM: "0.5"})
     records = read_metrics(out)
     last = [r for r in records if "offload/cache_hit_rate" in r][-1]
@@ -321,3 +334,9 @@ def test_bf16_moments_train_with_8_bytes_per_element(tmp_path, baseline):
     losses, plain = losses_of(records), baseline("bf16")
     assert losses != plain  # the moments really are rounded to bf16
     assert max(abs(a - b) for a, b in zip(losses, plain)) < 0.05 * plain[0]
+    _, out = run_offload(tmp_path, [*moments, *tier_flags(tmp_path, "all-tiers")],
+                         env={STREAM: "0.5"}, name="remainders.jsonl")
+    records = read_metrics(out)
+    last = [r for r in records if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/state_bytes_per_element"] == 6
+    assert losses_of(records) == losses

@@ -55,9 +55,11 @@ def test_save_writes_the_manifest_schema(saved):
     directory, _ = saved
     manifest = json.loads((directory / "rank00000" / "manifest.json").read_text())
     assert list(manifest) == ["version", "rank", "step", "fingerprint", "subgroup_size",
-                              "checksum", "state_dtypes", "subgroups", "world"]
+                              "checksum", "state_dtypes", "param_remainders", "subgroups",
+                              "world"]
     assert manifest["version"] == checkpoint.MANIFEST_VERSION and manifest["step"] == 2
     assert manifest["world"] == 1 and manifest["state_dtypes"] == ["fp32", "fp32", "fp32"]
+    assert manifest["param_remainders"] is False  # fp32 weights: whole masters
     hows = {entry["how"] for entry in manifest["subgroups"]}
     assert hows <= {"written", "linked", "copied"} and "written" in hows
     assert len(hows) > 1, "cached subgroups are written, the others linked or copied"

@@ -27,6 +27,7 @@ OFFLOAD = [*BASE, "--offload-optimizer"]
     ([*BASE, "--no-offload-gpu-update"], "needs --offload-optimizer"),
     ([*OFFLOAD, "--offload-device-reserve-gb", "-1"], "must be >= 0"),
     ([*OFFLOAD, "--zenflow", "--offload-device-cache-gb", "1"], "--zenflow keeps its own"),
+    ([*BASE, "--no-store-param-remainders"], "needs --offload-optimizer"),
 ])
 def test_refused(argv, message):
     with pytest.raises(UsageError, match=message):
@@ -54,3 +55,10 @@ def test_offload_path_that_is_a_file_says_so(tmp_path):
         parse_config([*OFFLOAD, "--offload-paths", str(afile)])
     with pytest.raises(UsageError, match="no such directory; create it"):
         parse_config([*OFFLOAD, "--offload-paths", str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize("extra,stored", [([], True), (["--no-store-param-remainders"], False)])
+def test_store_param_remainders_is_on_by_default(extra, stored):
+    """megatron-core's field name; where it applies is the engine's call (bf16 weights,
+    fp32 masters: tests/unit/offload/test_engine.py)."""
+    assert parse_config([*OFFLOAD, "--bf16", *extra]).offload.store_param_remainders is stored

@@ -8,6 +8,7 @@ masters, which is what megatron-core's distributed optimizer runs on the CPU.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import pytest
@@ -109,7 +110,8 @@ def test_engine_equals_torch_adamw(tmp_path, n_tiers, combo, dtype):
                 assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
         engine.wait_io()
         for index, sg in enumerate(engine.subgroups):
-            state = torch.cat(engine._views(engine._acquire_sync(index), index))
+            # fp32 masters and moments, as the math sees them (bf16 runs store remainders).
+            state = torch.cat(engine.full_states(index))
             for piece in sg.pieces:
                 got = state[piece.offset:piece.offset + piece.length]
                 want = masters[piece.param].detach()[piece.start:piece.start + piece.length]
@@ -179,6 +181,7 @@ def test_fp32_state_leaves_no_tensor_on_a_path_after_close(tmp_path):
 
 
 SMALL = 300  # subgroup size of the tests below: 12 subgroups (11 x 300 + 219)
+BF16_BYTES = 10  # state bytes per element of bf16 weights: fp32 masters as remainders
 
 
 def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
@@ -186,7 +189,8 @@ def _small_engine(tmp_path, shard, cache_subgroups: int, **switches):
     (tmp_path / "tier0").mkdir(exist_ok=True)
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[tier.path],
                         offload_subgroup_size=SMALL,
-                        offload_host_cache_gb=cache_subgroups * SMALL * 12 / 1e9, **switches)
+                        offload_host_cache_gb=cache_subgroups * SMALL * BF16_BYTES / 1e9,
+                        **switches)
     return OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"), tiers=[tier],
                          run_id="test", model_dtype=shard.dtype, grad_dtype=shard.dtype)
 
@@ -195,7 +199,7 @@ def _limit_free_space(monkeypatch, subgroups_that_fit: int) -> None:
     """The path reports room for the spares plus ``subgroups_that_fit`` full subgroups."""
     from megatron_ext.offload import plan as plan_module
 
-    room = (plan_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * 12
+    room = (plan_module.SPARES_PER_SIZE + 1 + subgroups_that_fit) * SMALL * BF16_BYTES
     monkeypatch.setattr(plan_module, "check_free_space", lambda path, need: room)
 
 
@@ -246,19 +250,29 @@ def test_paths_too_small_even_with_the_cache_is_one_clear_error(tmp_path, monkey
 # ---------------------------------------------------------------- the device tier
 
 SG = 700 * 12  # bytes of a full subgroup's fp32 state in these tests
-# (device tier GB, host cache GB, paths): 6 subgroups, 5 full ones and one of 19 elements.
+# (device tier, host cache, paths) in full subgroups: 6 subgroups, 5 full ones and one of
+# 19 elements.
 TIER_LAYOUTS = {
-    "device-only": (1.0, None, 0),
-    "device+host": (2 * SG / 1e9, None, 0),
-    "device+host+two-paths": (2 * SG / 1e9, 3 * SG / 1e9, 2),
+    "device-only": (None, None, 0),
+    "device+host": (2, None, 0),
+    "device+host+two-paths": (2, 3, 2),
 }
+
+
+def _tier_sizes(layout: str, dtype: torch.dtype):
+    """(device tier GB, host cache GB, paths) of a layout, for the weights' dtype."""
+    device, cache, n_tiers = TIER_LAYOUTS[layout]
+    # bf16 weights store fp32 masters as remainders: 10 bytes per element, not 12.
+    sg = 700 * (BF16_BYTES if dtype == torch.bfloat16 else 12)
+    return (1.0 if device is None else device * sg / 1e9,
+            None if cache is None else cache * sg / 1e9, n_tiers)
 
 
 def _check_states(engine, masters, opt):
     """The engine's states equal the reference's (fp32 views, any tier)."""
     engine.wait_io()
     for index, sg in enumerate(engine.subgroups):
-        views = engine._views(engine._acquire_sync(index), index)
+        views = engine.full_states(index)
         for piece in sg.pieces:
             part = slice(piece.offset, piece.offset + piece.length)
             ref = slice(piece.start, piece.start + piece.length)
@@ -280,7 +294,7 @@ def test_device_tier_and_streamed_update_equal_torch_adamw(tmp_path, monkeypatch
 
     if stream:
         monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
-    device_gb, cache_gb, n_tiers = TIER_LAYOUTS[layout]
+    device_gb, cache_gb, n_tiers = _tier_sizes(layout, dtype)
     shard, ref_shard = Shard(dtype), Shard(dtype)
     masters, opt = _reference(ref_shard)
     engine = _engine(tmp_path, shard, n_tiers, {}, cache_gb=cache_gb,
@@ -345,9 +359,10 @@ def test_precision_aware_states_are_stored_in_their_dtypes(tmp_path, monkeypatch
         tiers.append(TierSpec(str(tmp_path / f"tier{i}"), read_gbps=2.0 - i, write_gbps=1.0))
     per = layout.nbytes(700)
     assert per == 700 * (8 if names[0] == "fp32" else 10)
+    # The dtypes alone (remainders: test_remainders_store_6_bytes_with_bf16_moments).
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
                         offload_subgroup_size=700, offload_host_cache_gb=3 * per / 1e9,
-                        offload_device_cache_gb=str(per / 1e9))
+                        offload_device_cache_gb=str(per / 1e9), store_param_remainders=False)
     engine = OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"),
                            tiers=tiers, run_id="test", model_dtype=shard.dtype,
                            grad_dtype=shard.dtype, layout=layout)
@@ -398,8 +413,10 @@ def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, mo
     monkeypatch.setenv(MEMORY_PEAK_ENV, f"1:{25e3 / 1e9},3:{45e3 / 1e9}")
     shard, ref_shard = Shard(torch.bfloat16), Shard(torch.bfloat16)
     masters, opt = _reference(ref_shard)
+    # Sized in fp32 subgroups: whole masters (remainders change the bytes, not the sizing).
     engine = _engine(tmp_path, shard, 1, {}, cache_gb=4 * SG / 1e9,
-                     offload_device_cache_gb="auto", offload_device_reserve_gb=2e-6)
+                     offload_device_cache_gb="auto", offload_device_reserve_gb=2e-6,
+                     store_param_remainders=False)
     try:
         assert engine.device_members == []
         sizes = []
@@ -425,3 +442,198 @@ def test_auto_device_tier_on_the_cpu_needs_a_size(tmp_path, monkeypatch):
     monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
     with pytest.raises(UsageError, match="give a size in GB"):
         _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")
+
+
+# ---------------------------------------------------------------- remainders
+
+
+def _all_tier_engine(tmp_path, shard, layout=None, **extra):
+    """Device tier, host cache and two paths (two subgroups each), the streamed update."""
+    from megatron_ext.offload.states import StateLayout
+
+    layout = layout or StateLayout()
+    sg = layout.nbytes(700)
+    tiers = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir(parents=True, exist_ok=True)
+        tiers.append(TierSpec(str(tmp_path / f"tier{i}"), read_gbps=2.0 - i, write_gbps=1.0))
+    cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
+                        offload_subgroup_size=700, offload_host_cache_gb=3 * sg / 1e9,
+                        offload_device_cache_gb=str(2 * sg / 1e9), **extra)
+    return OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"), tiers=tiers,
+                         run_id="test", model_dtype=shard.dtype, grad_dtype=shard.dtype,
+                         layout=layout)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_remainders_equal_whole_masters_on_every_tier(tmp_path, monkeypatch, caplog, moments):
+    """bf16 weights: remainders on (the default) and off give the same weights and states
+    bit for bit on the device tier, the host cache, the paths and the streamed update,
+    with 10 (6) bytes per element in every tier's buffers and files."""
+    from megatron_ext.offload.config import STREAM_SHARE_ENV
+    from megatron_ext.offload.io import read_header
+    from megatron_ext.offload.states import StateLayout
+    from megatron_ext.offload.tier_model import TierKind
+
+    monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
+    layout = StateLayout.from_names("fp32", moments, moments)
+    shards = [Shard(torch.bfloat16), Shard(torch.bfloat16)]
+    with caplog.at_level("INFO", logger="megatron_ext.offload.engine"):
+        on = _all_tier_engine(tmp_path / "on", shards[0], layout.with_remainders())
+    off = _all_tier_engine(tmp_path / "off", shards[1], layout, store_param_remainders=False)
+    bpe = 10 if moments == "fp32" else 6
+    assert any(f"{bpe} B/element: fp32 masters as 16-bit remainders beside the bf16 "
+               "parameters" in r.message for r in caplog.records)
+    try:
+        assert on.layout.remainders and not off.layout.remainders
+        streamed = 0
+        for step in range(5):
+            clip = 0.5 if step == 2 else None
+            for shard in shards:
+                shard.new_grads()
+            on.step(HPARAMS, None, clip)
+            off.step(HPARAMS, None, clip)
+            for a, b in zip(*(s.weights for s in shards)):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), step
+            record = on.metrics()
+            streamed += record["offload/streamed_subgroups"]
+            assert record["offload/state_bytes_per_element"] == bpe
+        assert streamed > 0
+        kinds = {on.tier_of(i).kind for i in range(len(on.subgroups))}
+        assert kinds == {TierKind.DEVICE, TierKind.HOST, TierKind.PATH}, kinds
+        on.wait_io()
+        off.wait_io()
+        for index in range(len(on.subgroups)):
+            for a, b in zip(on.full_states(index), off.full_states(index)):
+                assert torch.equal(a, b), f"subgroup {index} differs"
+        files = [os.path.join(d, f) for d in on.rank_dirs for f in os.listdir(d)
+                 if f.endswith(".state")]
+        assert files
+        for name in files:
+            index = int(os.path.basename(name)[2:7])
+            # (4-byte alignment pads the odd-sized last subgroup's arrays)
+            assert read_header(name)["payload_bytes"] == on.layout.nbytes(
+                on.subgroups[index].numel)
+        assert on.layout.nbytes(700) == 700 * bpe
+    finally:
+        on.close()
+        off.close()
+
+
+def test_read_states_gives_whole_fp32_masters(tmp_path):
+    """What ZenFlow's moves and a Megatron-LM-format checkpoint read: fp32 masters."""
+    shards = [Shard(torch.bfloat16), Shard(torch.bfloat16)]
+    engines = [_all_tier_engine(tmp_path / "on", shards[0]),
+               _all_tier_engine(tmp_path / "off", shards[1], store_param_remainders=False)]
+    try:
+        for _ in range(3):
+            for shard, engine in zip(shards, engines):
+                shard.new_grads()
+                engine.step(HPARAMS, None, None)
+        for param, n in enumerate(SIZES):
+            got = [[torch.empty(n) for _ in range(3)] for _ in engines]
+            for engine, outs in zip(engines, got):
+                engine.read_states(param, 0, n, outs)
+            for a, b in zip(*got):
+                assert torch.equal(a, b), f"parameter {param} differs"
+            assert not torch.equal(got[0][0], got[0][0].bfloat16().float())  # really fp32
+        # Reading left the states alone: the next step still agrees.
+        for shard, engine in zip(shards, engines):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+        assert all(torch.equal(a, b) for a, b in zip(*(s.weights for s in shards)))
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [(True, False), (False, True), (True, True)],
+                         ids=["remainders-to-whole", "whole-to-remainders", "remainders"])
+def test_checkpoint_resumes_with_either_setting(tmp_path, saved_with, resumed_with):
+    """A checkpoint saved with remainders on (off) resumes with them off (on): the states
+    convert on load and the steps after it equal the uninterrupted run's."""
+    straight, first = Shard(torch.bfloat16), Shard(torch.bfloat16)
+    base = _all_tier_engine(tmp_path / "straight", straight)
+    engine = _all_tier_engine(tmp_path / "first", first, store_param_remainders=saved_with)
+    try:
+        for step in range(5):
+            straight.new_grads()
+            base.step(HPARAMS, None, None)
+            if step < 3:
+                first.new_grads()
+                engine.step(HPARAMS, None, None)
+        engine.save(str(tmp_path / "ckpt"), {})
+        manifest = json.loads((tmp_path / "ckpt" / "rank00000" / "manifest.json").read_text())
+        assert manifest["param_remainders"] is saved_with
+    finally:
+        engine.close()
+    # The model's weights come from the model's checkpoint: the first run's.
+    resumed = _all_tier_engine(tmp_path / "second", first, store_param_remainders=resumed_with)
+    try:
+        resumed.load(str(tmp_path / "ckpt"), {})
+        assert resumed.layout.remainders is resumed_with
+        for _ in range(2):
+            first.new_grads()
+            resumed.step(HPARAMS, None, None)
+        for a, b in zip(first.weights, straight.weights):
+            assert torch.equal(a, b)
+        resumed.wait_io()
+        for index in range(len(base.subgroups)):
+            for a, b in zip(resumed.full_states(index), base.full_states(index)):
+                assert torch.equal(a, b), f"subgroup {index} differs"
+    finally:
+        resumed.close()
+        base.close()
+
+
+def test_whole_masters_that_the_weights_do_not_round_from_are_refused(tmp_path):
+    shard = Shard(torch.bfloat16)
+    engine = _all_tier_engine(tmp_path / "first", shard, store_param_remainders=False)
+    try:
+        for _ in range(2):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+        engine.save(str(tmp_path / "ckpt"), {})
+    finally:
+        engine.close()
+    shard.weights[3][7] += 1.0  # the model's weights are not the masters' rounding any more
+    resumed = _all_tier_engine(tmp_path / "second", shard)
+    try:
+        with pytest.raises(UsageError, match="resume with --no-store-param-remainders"):
+            resumed.load(str(tmp_path / "ckpt"), {})
+    finally:
+        resumed.close()
+
+
+def test_reset_masters_and_initialize_from_set_the_weights_beside_the_remainders(tmp_path):
+    """reset_masters_from_model keeps the moments and takes the weights as masters; a fill
+    from fp32 masters (ZenFlow's re-selection) makes the weights their bf16 rounding."""
+    shard = Shard(torch.bfloat16)
+    engine = _all_tier_engine(tmp_path, shard)
+    try:
+        for _ in range(2):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+        before = [engine.full_states(i) for i in range(len(engine.subgroups))]
+        engine.reset_masters_from_model()
+        for index, sg in enumerate(engine.subgroups):
+            master, exp_avg, exp_avg_sq = engine.full_states(index)
+            assert torch.equal(master, before[index][0].bfloat16().float())
+            assert torch.equal(exp_avg, before[index][1])
+            assert torch.equal(exp_avg_sq, before[index][2])
+        gen = torch.Generator().manual_seed(5)
+        masters = [torch.randn(n, generator=gen) for n in SIZES]
+
+        def fill(param, start, length, views):
+            views[0].copy_(masters[param][start:start + length])
+            views[1].fill_(0.5)
+            views[2].fill_(0.25)
+        engine.initialize_from(fill, step=2)
+        for param, n in enumerate(SIZES):
+            outs = [torch.empty(n) for _ in range(3)]
+            engine.read_states(param, 0, n, outs)
+            assert torch.equal(outs[0], masters[param])
+            assert torch.equal(shard.weights[param], masters[param].bfloat16())
+            assert (outs[2] == 0.25).all()
+    finally:
+        engine.close()

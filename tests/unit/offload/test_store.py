@@ -23,13 +23,13 @@ NUMELS = [100, 100, 100, 100, 100, 40]  # six subgroups of SIZE elements, the la
 
 
 def make_store(tmp_path, n_paths=1, cache_subgroups=3, faults=Faults(), numels=NUMELS,
-               groups=None, **cfg_extra):
+               groups=None, layout=None, **cfg_extra):
     """A CPU store of a shard of ``numels`` over ``n_paths`` directories under ``tmp_path``."""
     tiers = []
     for i in range(n_paths):
         (tmp_path / f"p{i}").mkdir(exist_ok=True)
         tiers.append(TierSpec(str(tmp_path / f"p{i}"), read_gbps=1.0, write_gbps=1.0))
-    layout = StateLayout()
+    layout = layout or StateLayout()
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
                         offload_subgroup_size=SIZE,
                         offload_host_cache_gb=(cache_subgroups * layout.nbytes(SIZE) / 1e9
@@ -209,5 +209,34 @@ def test_a_fetch_waits_for_the_subgroups_own_flush(tmp_path):
         fetched = store.start_fetch(0, protect=()).result()
         n = store.sizes[0]
         assert torch.equal(fetched[:n], expected[:n])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_remainder_layout_round_trips_through_cache_and_files(tmp_path, moments):
+    """Remainders: 10 (6) bytes per element in the host buffers and files, bit for bit."""
+    from megatron_ext.offload.io import read_header
+
+    layout = StateLayout.from_names("fp32", moments, moments).with_remainders()
+    assert layout.bytes_per_element == (10 if moments == "fp32" else 6)
+    assert layout.dtypes[0] == torch.int16 and layout.names == ["fp32", moments, moments]
+    store = make_store(tmp_path, n_paths=1, layout=layout)
+    try:
+        assert store.sizes[0] == layout.nbytes(SIZE) == SIZE * layout.bytes_per_element
+        assert store.buffer_bytes == layout.nbytes(SIZE)
+        gen = torch.Generator().manual_seed(3)
+        buffer = store.cache.allocate()
+        rem, exp_avg, exp_avg_sq = store.views(buffer, 2)
+        rem.copy_(torch.randint(-2**15, 2**15, (SIZE,), generator=gen, dtype=torch.int16))
+        exp_avg.copy_(torch.randn(SIZE, generator=gen))
+        exp_avg_sq.copy_(-torch.rand(SIZE, generator=gen))  # sign bits set: "up" bits
+        written = buffer[:store.sizes[2]].clone()
+        store.write(2, buffer)
+        name = store.file(2, store.location[2])
+        assert read_header(name)["payload_bytes"] == layout.nbytes(SIZE)
+        back = store.cache.allocate()
+        store.read(2, back)
+        assert torch.equal(back[:store.sizes[2]], written)
     finally:
         store.close()

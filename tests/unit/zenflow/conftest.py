@@ -11,7 +11,9 @@ def make_offload_engine(tmp_path):
     """``make_engine(params, generation)`` for TieredCpuStates, and the engines it made.
 
     Two tier directories, small subgroups (they cut through groups and pieces) and a host
-    cache of three, so that most states live in files; bf16 model weights.
+    cache of three, so that most states live in files; bf16 model weights (the masters as
+    remainders beside the upload buffers, unless ``make.settings["cfg"]`` is replaced by
+    one with ``store_param_remainders=False``).
     """
     from megatron_ext.offload.config import OffloadConfig
     from megatron_ext.offload.engine import OffloadEngine
@@ -24,13 +26,16 @@ def make_offload_engine(tmp_path):
     cfg = OffloadConfig(offload_optimizer=True, offload_paths=[t.path for t in tiers],
                         offload_subgroup_size=5, offload_host_cache_gb=3 * 5 * 12 / 1e9)
     made = []
+    make_cfg = {"cfg": cfg}
 
     def make(params, generation=0):
-        engine = OffloadEngine(cfg, params, rank=0, device=torch.device("cpu"), tiers=tiers,
-                               run_id=f"test.selection{generation}", model_dtype=torch.bfloat16,
-                               grad_dtype=torch.float32)
+        engine = OffloadEngine(make_cfg["cfg"], params, rank=0, device=torch.device("cpu"),
+                               tiers=tiers, run_id=f"test.selection{generation}",
+                               model_dtype=torch.bfloat16, grad_dtype=torch.float32,
+                               params_are_model=False)
         made.append(engine)
         return engine
     make.made = made
+    make.settings = make_cfg
     make.root = tmp_path
     return make

@@ -85,10 +85,23 @@ def test_host_states_are_adam_from_the_masters():
     assert states.steps == 3
 
 
-def test_host_and_tiers_hold_the_same_states_after_the_same_updates(make_offload_engine):
+def _remainders(make_offload_engine, on: bool) -> None:
+    """The fixture's engines with the masters as remainders (the default) or whole."""
+    import dataclasses
+
+    settings = make_offload_engine.settings
+    settings["cfg"] = dataclasses.replace(settings["cfg"], store_param_remainders=on)
+
+
+@pytest.mark.parametrize("remainders", [True, False], ids=["remainders", "whole-masters"])
+def test_host_and_tiers_hold_the_same_states_after_the_same_updates(make_offload_engine,
+                                                                    remainders):
+    _remainders(make_offload_engine, remainders)
     host, tiers = HostCpuStates(fused=False), TieredCpuStates(make_offload_engine)
     try:
         up_host, up_tiers = trained(host, SIZES, 4), trained(tiers, SIZES, 4)
+        assert tiers.engine.layout.remainders is remainders
+        assert tiers.engine.layout.bytes_per_element == (10 if remainders else 12)
         assert host.steps == tiers.steps == 4
         got = read_all(tiers, SIZES)
         assert_same(read_all(host, SIZES), got)
@@ -96,10 +109,13 @@ def test_host_and_tiers_hold_the_same_states_after_the_same_updates(make_offload
             assert torch.equal(up_host[group], up_tiers[group])
             assert not torch.equal(got[group][0].to(torch.bfloat16), masters(SIZES)[group])
             assert torch.count_nonzero(got[group][2]) > 0  # the moments moved
-        # write_upload casts the masters into the buffers, in both.
+        # write_upload casts the masters into the buffers, in both. (With remainders the
+        # tiers' buffers are the masters' other half: they already hold them, and only the
+        # states write them.)
         for states, upload in ((host, up_host), (tiers, up_tiers)):
-            for buffer in upload.values():
-                buffer.zero_()
+            if not (states is tiers and remainders):
+                for buffer in upload.values():
+                    buffer.zero_()
             states.write_upload()
             for group in SIZES:
                 assert torch.equal(upload[group], got[group][0].to(torch.bfloat16))
@@ -190,21 +206,33 @@ def test_host_checkpoint_round_trip():
     assert_same(read_all(states, SIZES), read_all(saved_states, SIZES))
 
 
-def test_tiers_checkpoint_round_trip(make_offload_engine, tmp_path):
+@pytest.mark.parametrize("saved_with,resumed_with", [(True, True), (False, False),
+                                                     (True, False), (False, True)])
+def test_tiers_checkpoint_round_trip(make_offload_engine, tmp_path, saved_with, resumed_with):
+    """Files hold the states; the rank file only the weights beside remainders. Either
+    setting resumes the other's checkpoint (the engine converts on load)."""
+    _remainders(make_offload_engine, saved_with)
     saved_states = TieredCpuStates(make_offload_engine)
     try:
         trained(saved_states, SIZES, 2)
         expected = read_all(saved_states, SIZES)
-        assert saved_states.state_dict() == {}  # nothing in the rank file: files instead
+        saved = saved_states.state_dict()
+        assert not any(kind in saved for kind in KINDS)  # nothing of the states: files
+        assert ("params" in saved) is saved_with
         saved_states.save(str(tmp_path / "ckpt"), LAYOUT)
     finally:
         saved_states.close()
+    _remainders(make_offload_engine, resumed_with)
     states = TieredCpuStates(make_offload_engine)
     try:
-        states.resize(SIZES, uploads(SIZES))
-        states.load_state_dict({})
+        upload = uploads(SIZES)
+        states.resize(SIZES, upload)
+        states.load_state_dict(saved)
         states.load(str(tmp_path / "ckpt"), LAYOUT)
         assert_same(read_all(states, SIZES), expected)
+        if resumed_with:  # the buffers beside the remainders hold the masters' weights
+            for group in SIZES:
+                assert torch.equal(upload[group], expected[group][0].to(torch.bfloat16))
     finally:
         states.close()
 

@@ -83,9 +83,11 @@ def test_every_element_reaches_its_new_side(place, make_offload_engine):
 
 
 def random_states(plan, seed):
-    """kind -> group -> random fp32 values of ``plan``'s sizes."""
+    """kind -> group -> random fp32 values of ``plan``'s sizes (exp_avg_sq >= 0, as Adam
+    keeps it: the tiers' remainders use its sign bit)."""
     gen = torch.Generator().manual_seed(seed)
-    return {kind: {g: torch.randn(n, generator=gen) for g, n in plan.sizes.items()}
+    return {kind: {g: torch.randn(n, generator=gen).abs() if kind == "exp_avg_sq" else
+                   torch.randn(n, generator=gen) for g, n in plan.sizes.items()}
             for kind in KINDS}
 
 
