@@ -40,8 +40,8 @@ def state_array_bytes(cfg) -> Tuple[int, int, int]:
     """
     opt = cfg.optimizer
     master = _DTYPE_BYTES[opt.main_params_dtype]
-    # The flag comes with the remainder encoding of the offload engine; on by default.
-    remainders = getattr(cfg.offload, "store_param_remainders", True)
+    # The offload engine's rule (offload/states.py: StateLayout.remainders_apply).
+    remainders = cfg.offload.store_param_remainders
     if remainders and cfg.training.bf16 and opt.main_params_dtype == "fp32":
         master = 2
     return master, _DTYPE_BYTES[opt.exp_avg_dtype], _DTYPE_BYTES[opt.exp_avg_sq_dtype]

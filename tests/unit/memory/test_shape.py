@@ -172,3 +172,27 @@ def test_flops_of_the_16_5b_row():
     layer = 2 * 12 * h * h + 2 * h * s
     per_token = 36 * 4 * layer + 3 * 2 * h * 32128
     assert model_shape(cfg, 32001, 1).flops_per_iteration == per_token * 64 * s
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--bf16"], ["--bf16", "--no-store-param-remainders"], ["--fp16"],
+    ["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+     "--exp-avg-sq-dtype", "bf16"],
+    ["--bf16", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16"],
+], ids=["fp32", "bf16", "bf16-whole", "fp16", "bf16-moments", "fp16-master"])
+def test_state_bytes_follow_the_engine_layout(extra):
+    """The plan's bytes per element are the offload engine's (StateLayout), flag by flag."""
+    import torch
+
+    cfg = parse_config(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                        "4", "--seq-length", "32", "--max-position-embeddings", "32",
+                        "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-4",
+                        "--train-iters", "2", "--mock-data", "--vocab-size", "128",
+                        "--use-distributed-optimizer",
+                        "--offload-optimizer", *extra])
+    layout = cfg.optimizer.state_layout()
+    model_dtype = (torch.bfloat16 if cfg.training.bf16
+                   else torch.float16 if cfg.training.fp16 else torch.float32)
+    layout = layout.with_remainders(cfg.offload.store_param_remainders
+                                    and layout.remainders_apply(model_dtype))
+    assert state_bytes_per_element(cfg) == layout.bytes_per_element
