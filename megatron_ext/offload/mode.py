@@ -7,7 +7,7 @@ imported inside :meth:`OffloadMode.build`.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_ext.optim.modes import Mode, needs, only, refuses, register
 
@@ -55,6 +55,17 @@ class OffloadMode(Mode):
                 f"fetch {ms('fetch_bg_s'):.1f} flush {ms('flush_bg_s'):.1f} lock wait "
                 f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
                 f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
+
+    def derived_metrics(self, record: dict) -> Dict[str, float]:
+        """``offload/roofline_ratio``: the iteration's time over what bounds it from below,
+        the larger of forward+backward and the engine's I/O floor (1.0: nothing else
+        costs time)."""
+        floor = record.get("offload/io_floor_s")
+        step, compute = record.get("time/iteration_s"), record.get("time/forward_backward_s")
+        if floor is None or step is None or compute is None:
+            return {}
+        bound = max(compute, floor)
+        return {"offload/roofline_ratio": step / bound} if bound > 0 else {}
 
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """The engine's manifests under the checkpoint and the state files they name."""

@@ -132,6 +132,11 @@ class Mode:
         """The mode's part of the stdout line from its metrics in ``record`` (None: nothing)."""
         return None
 
+    def derived_metrics(self, record: dict) -> Dict[str, float]:
+        """Metrics the mode derives from the whole iteration record (its own metrics with
+        the loop's times), added to the record before it is written; none by default."""
+        return {}
+
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """(file, problem) of the files the mode wrote beside dist_checkpointing's."""
         return []
@@ -234,6 +239,14 @@ def mode_of(cfg) -> Mode:
 def log_summaries(record: dict) -> List[str]:
     """Each registered mode's part of the stdout line that ``record`` has metrics for."""
     return [text for text in (mode.log_summary(record) for mode in modes()) if text]
+
+
+def derived_metrics(record: dict) -> Dict[str, float]:
+    """Every registered mode's metrics derived from ``record`` (see Mode.derived_metrics)."""
+    out: Dict[str, float] = {}
+    for mode in modes():
+        out.update(mode.derived_metrics(record))
+    return out
 
 
 def checkpoint_problems(directory: str) -> List[Tuple[str, str]]:

@@ -22,6 +22,7 @@ from megatron_ext.checkpoint import checkpointing as ckpt
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
+from megatron_ext.optim.modes import derived_metrics
 from megatron_ext.runtime.batch_schedule import BatchRamp
 from megatron_ext.runtime.quiet import quiet_optional_dependencies
 from megatron_ext.runtime.signals import ExitSignalHandler
@@ -389,6 +390,7 @@ class Trainer:
             record["params_norm"] = _params_norm(self.model)
         record.update(optimizer_metrics(self.optimizer))
         record.update(memory_stats(rt))
+        record.update(derived_metrics(record))  # e.g. offload's roofline ratio
         record["time/eta_s"] = self.eta.add(iters, elapsed, self.state.iteration)
         if rt.rank == 0:
             print(format_line(record, cfg.training.train_iters, cfg.logging.log_throughput),

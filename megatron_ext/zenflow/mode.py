@@ -27,8 +27,12 @@ LINE_FIELDS = (("rho", "rho", ".3f"), ("update_interval", "S", ".0f"),
 
 
 def _gpu_state_flags(cfg) -> bool:
-    """Whether flags that size or shape the offload engine's GPU states are given."""
-    return bool(cfg.optimizer.use_precision_aware_optimizer or cfg.offload.device_cache_auto
+    """Whether flags that size or shape the offload engine's GPU states are given.
+
+    ``--offload-device-cache-gb auto`` is the default and means no device tier under
+    ZenFlow (its engine's states live on the CPU); a size in GB is refused.
+    """
+    return bool(cfg.optimizer.use_precision_aware_optimizer
                 or cfg.offload.device_cache_bytes() > 0)
 
 

@@ -419,9 +419,14 @@ def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, mo
         engine.close()
 
 
-def test_auto_device_tier_on_the_cpu_needs_a_size(tmp_path, monkeypatch):
+def test_auto_device_tier_on_the_cpu_is_none(tmp_path, monkeypatch):
+    # auto is the default; on a CPU run (no device memory to measure) it means no device
+    # tier (before auto became the default this was refused).
     from megatron_ext.offload.config import MEMORY_LIMIT_ENV
 
     monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
-    with pytest.raises(UsageError, match="give a size in GB"):
-        _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")
+    engine = _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")
+    try:
+        assert engine.device_members == [] and not engine.tier_plan.device_auto
+    finally:
+        engine.close()

@@ -94,10 +94,14 @@ def test_fixed_device_tier_is_spread_and_needs_no_host_buffer(tmp_path):
     assert sum(plan.tier_bytes().values()) == sum(SIZES)
 
 
-def test_auto_device_tier_needs_the_memory_hook_on_the_cpu(tmp_path, monkeypatch):
+def test_auto_device_tier_is_none_on_the_cpu_without_the_memory_hook(monkeypatch):
+    # auto is the default: a CPU run has no device memory to measure, so no device tier
+    # (it was refused before auto became the default).
     monkeypatch.delenv("MEGATRON_EXT_DEVICE_MEMORY_LIMIT_GB", raising=False)
-    with pytest.raises(UsageError, match="give a size in GB"):
-        make_plan([], offload_device_cache_gb="auto")
+    for budget in (None, 4 * SG):
+        plan = TierPlan(OffloadConfig(offload_optimizer=True), NUMELS, SIZES, SG, tiers=[],
+                        rank=0, device=CPU, device_budget_bytes=budget)
+        assert plan.device_members == [] and not plan.device_auto and plan.device_sized
 
 
 def test_auto_device_tier_sizes_from_the_peak_then_gives_back(tmp_path):
