@@ -226,8 +226,11 @@ class OffloadEngine:
     # ----------------------------------------------------------------- the device tier
 
     def _size_device_tier(self) -> None:
-        """``auto``: sizes the device tier at the first step from the measured peak (it may
-        start from the memory plan's budget: it grows or shrinks), gives back later."""
+        """``auto``: sizes the device tier at the first step, gives back later.
+
+        At the first step the measured peak sizes it (from the memory plan's budget, if it
+        started with one: it grows or shrinks); a later peak only takes memory back.
+        """
         plan = self.tier_plan
         if not plan.device_auto:
             return
@@ -459,10 +462,12 @@ class OffloadEngine:
         return record
 
     def _io_floor(self, record: Dict[str, float]) -> Dict[str, float]:
-        """The I/O floor of a step: the bytes that must cross each path per step (given
-        where the subgroups live and what the cache keeps) over the bandwidth the path
-        showed in this run: this interval's, else the run's so far, else its given or
-        probed one."""
+        """The I/O floor of a step: the seconds its path traffic needs at least.
+
+        The bytes that must cross each path per step (given where the subgroups live and
+        what the cache keeps) over the bandwidth the path showed in this run: this
+        interval's, else the run's so far, else its given or probed one.
+        """
         s = self.stats
         each_way = self.tier_plan.path_io_per_step()
         rates = []

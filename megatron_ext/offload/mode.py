@@ -57,9 +57,11 @@ class OffloadMode(Mode):
                 f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
 
     def derived_metrics(self, record: dict) -> Dict[str, float]:
-        """``offload/roofline_ratio``: the iteration's time over what bounds it from below,
-        the larger of forward+backward and the engine's I/O floor (1.0: nothing else
-        costs time)."""
+        """``offload/roofline_ratio``: the iteration's time over its lower bound.
+
+        The bound is the larger of forward+backward and the engine's I/O floor; 1.0 means
+        nothing else costs time.
+        """
         floor = record.get("offload/io_floor_s")
         step, compute = record.get("time/iteration_s"), record.get("time/forward_backward_s")
         if floor is None or step is None or compute is None:

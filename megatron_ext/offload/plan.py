@@ -17,14 +17,14 @@ bytes: the store does, when the engine asks.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.offload.capacity import HostMemory, host_memory, local_ranks, path_rooms
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.io import SPARES_PER_SIZE
+from megatron_ext.offload.io import SPARES_PER_SIZE  # noqa: F401 (the spares' count, for tests)
 from megatron_ext.offload.paths import TierFullError, TierSpec, check_free_space
 from megatron_ext.offload.placement import Rebalancer, place_subgroups
 from megatron_ext.offload.tier_model import (
@@ -36,9 +36,6 @@ from megatron_ext.offload.tier_model import (
     UpdateRates,
     device_budget,
     fixed_device_subgroups,
-    host_cache_budget,
-    path_room,
-    pipeline_host_bytes,
     resize_device_tier,
     split_updates,
     steady_path_io,
@@ -52,31 +49,6 @@ def gb(nbytes: float) -> str:
     value = nbytes / 1e9
     return f"{value:.2f}" if value >= 0.01 else f"{value:.3g}"
 
-
-def mem_available(cfg: OffloadConfig) -> Optional[int]:
-    """The node's available host memory in bytes: the knob, else /proc/meminfo's.
-
-    None where the kernel does not say (no /proc/meminfo, or no MemAvailable line).
-    """
-    if cfg.offload_mem_available_gb is not None:
-        return int(round(cfg.offload_mem_available_gb * 1e9))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def local_ranks() -> int:
-    """Training processes on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks)."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 class TierPlan:
@@ -137,7 +109,7 @@ class TierPlan:
         self._device_set = set(self.device_members)
         self.device_sized = not self.device_auto
         self.host_fits: Optional[int] = None
-        self._host_note = ""
+        self.host: Optional[HostMemory] = None
         self.capacity = self._cache_capacity(bool(tiers))
         self.resident: FrozenSet[int] = frozenset()
         self.rates = UpdateRates()
@@ -149,7 +121,9 @@ class TierPlan:
             log.info("%s", self.describe())
             return
         weights = [t.effective_gbps for t in tiers]
-        self.room = self._path_room()
+        # check_free_space looked up here, so that tests can stand in for the file system.
+        self.room = path_rooms(cfg, self.tiers, max(self.sizes, default=0), self.local_ranks,
+                               check_free_space)
         try:
             self.home = self._place(weights, list(self.room))
         except TierFullError as err:
@@ -167,37 +141,30 @@ class TierPlan:
     # ----------------------------------------------------------------- capacities
 
     def _per_buffer(self) -> int:
-        """Host bytes one cached subgroup takes: its state; with ``auto`` also its fp32
-        gradients when they are converted up front (--no-offload-delayed-grad-conversion;
-        a size in GB counts the states only, as it always has)."""
+        """Host bytes one cached subgroup takes.
+
+        Its state; with ``auto`` also its fp32 gradients when they are converted up front
+        (--no-offload-delayed-grad-conversion; a size in GB counts the states only, as it
+        always has).
+        """
         extra = (4 * max(self.numels, default=0) if self.cfg.host_cache_auto
                  and not self.cfg.offload_delayed_grad_conversion else 0)
         return self.buffer_bytes + extra
 
-    def _host_budget(self) -> Optional[int]:
-        """``auto``: the host bytes this rank's cache may take; None: not measured.
+    def _host_memory(self) -> Optional[HostMemory]:
+        """``auto``: the host memory this rank's cache may take; None: not measured.
 
         Measured on a GPU run, or where the MemAvailable knob is set; a CPU run without it
         keeps the rule from before auto (its host is also its "device").
         """
-        cfg = self.cfg
-        if not (self.is_cuda or cfg.offload_mem_available_gb is not None):
+        if not (self.is_cuda or self.cfg.offload_mem_available_gb is not None):
             return None
-        available = mem_available(cfg)
-        if available is None:
+        memory = host_memory(self.cfg, max(self.numels, default=0), self.buffer_bytes,
+                             self.local_ranks)
+        if memory is None:
             log.warning("offload: MemAvailable is unknown on this host: the host cache keeps "
                         "three subgroups (give --offload-host-cache-gb to size it)")
-            return None
-        reserve = (int(round(cfg.offload_host_reserve_gb * 1e9))
-                   if cfg.offload_host_reserve_gb is not None else available // 10)
-        pipeline = pipeline_host_bytes(max(self.numels, default=0), self.buffer_bytes)
-        budget = host_cache_budget(available, self.local_ranks, reserve, pipeline)
-        ranks = self.local_ranks
-        self._host_note = (f"MemAvailable {gb(available)} GB less a reserve of {gb(reserve)} "
-                           f"GB (--offload-host-reserve-gb), over {ranks} "
-                           f"rank{'s' if ranks > 1 else ''} of the node, less the "
-                           f"pipeline's {gb(pipeline)} GB")
-        return budget
+        return memory
 
     def _cache_capacity(self, has_paths: bool) -> Optional[int]:
         cfg = self.cfg
@@ -205,23 +172,23 @@ class TierPlan:
         n = len(self.sizes) - len(self.device_members)
         per_buffer = self._per_buffer()
         if cfg.host_cache_auto:
-            budget = self._host_budget()
-            if budget is None:
+            self.host = self._host_memory()
+            if self.host is None:
                 return None if not has_paths else min(n, 3)
-            fits = self.host_fits = budget // max(per_buffer, 1)
+            fits = self.host_fits = self.host.budget // max(per_buffer, 1)
             if not has_paths:
                 if fits < n:
                     raise UsageError(
                         f"host memory holds {fits} of the {n} subgroups of rank {self.rank} "
-                        f"({gb(n * per_buffer)} GB; {self._host_note}: {gb(budget)} GB) and "
-                        "there is no --offload-paths for the rest: add --offload-paths DIR "
-                        "(node-local NVMe, scratch)")
+                        f"({gb(n * per_buffer)} GB; {self.host}) and there is no "
+                        "--offload-paths for the rest: add --offload-paths DIR (node-local "
+                        "NVMe, scratch)")
                 return None
             if fits < min(n, 3):
                 raise UsageError(
                     f"host memory holds {fits} subgroups of {gb(per_buffer)} GB for rank "
-                    f"{self.rank} ({self._host_note}: {gb(budget)} GB); the pipeline needs 3: "
-                    f"free {gb(3 * per_buffer - budget)} GB more host memory, lower "
+                    f"{self.rank} ({self.host}); the pipeline needs 3: free "
+                    f"{gb(3 * per_buffer - self.host.budget)} GB more host memory, lower "
                     "--offload-host-reserve-gb, or give a smaller --offload-subgroup-size")
             return min(n, fits)
         fits = int(round(cfg.offload_host_cache_gb * 1e9) // max(per_buffer, 1))
@@ -239,18 +206,6 @@ class TierPlan:
                 f"{gb(per_buffer)} GB; the pipeline needs 3: give at least "
                 f"{gb(3 * per_buffer)} GB or a smaller --offload-subgroup-size")
         return min(n, fits)
-
-    def _path_room(self) -> List[int]:
-        """The bytes each path may hold: free space (injected or measured) over the node's
-        ranks, less room for the recycled spares and one temporary file of this rank."""
-        cfg = self.cfg
-        reserve = (SPARES_PER_SIZE + 1) * max(self.sizes, default=0)
-        room = []
-        for i, tier in enumerate(self.tiers):
-            free = (int(round(cfg.offload_path_free_gb[i] * 1e9)) if cfg.offload_path_free_gb
-                    else check_free_space(tier.path, 0))
-            room.append(path_room(free, self.local_ranks, reserve))
-        return room
 
     def _place(self, weights: List[float], free: List[int]) -> List[int]:
         """Each subgroup's path, -1 for those the host cache keeps without a file.
@@ -283,7 +238,7 @@ class TierPlan:
                 home[index] = path
             return home
         if self.cfg.host_cache_auto and self.host_fits is not None:
-            hint = (f"host memory ({self._host_note}) keeps at most {spare} of the {n} "
+            hint = (f"host memory ({self.host}) keeps at most {spare} of the {n} "
                     "subgroups besides the pipeline's 3: free disk space, add a path or "
                     "host memory, or run on more nodes")
         else:
@@ -307,7 +262,7 @@ class TierPlan:
         host = (f"host cache {gb(held * self._per_buffer())} GB, {held} subgroups, "
                 f"{self.host_only()} of them without a file")
         if cfg.host_cache_auto:
-            host += (f" (auto: {self._host_note})" if self.host_fits is not None
+            host += (f" (auto: {self.host})" if self.host is not None
                      else " (auto: everything in host memory)" if not self.tiers
                      else " (auto: the pipeline's 3 on a CPU run)")
         parts = [f"offload: rank {self.rank} tiers: {device}; {host}"]
@@ -442,7 +397,7 @@ class TierPlan:
                 raise UsageError(
                     f"the device tier of rank {self.rank} gives back subgroup {index} and host "
                     f"memory holds {self.host_fits} of the {hosted} subgroups now on the host "
-                    f"({self._host_note}): add --offload-paths DIR, or give "
+                    f"({self.host}): add --offload-paths DIR, or give "
                     "--offload-device-cache-gb a size that stays on the GPU")
             if to_host:
                 self.resident = self.resident | {index}
@@ -504,8 +459,10 @@ class TierPlan:
         return plan
 
     def path_io_per_step(self) -> List[float]:
-        """Bytes each path must read per step once the pipeline is steady (and as many
-        written), given where the subgroups live and what the host cache keeps."""
+        """Bytes each path must read per step once the pipeline is steady.
+
+        As many are written. Given where the subgroups live and what the host cache keeps.
+        """
         walk = [i for i, h in enumerate(self.home) if h is not None and h >= 0
                 and i not in self.resident and i not in self._device_set]
         # Without the delayed conversion, a miss also writes and reads its fp32 gradients.

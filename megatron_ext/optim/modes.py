@@ -133,8 +133,11 @@ class Mode:
         return None
 
     def derived_metrics(self, record: dict) -> Dict[str, float]:
-        """Metrics the mode derives from the whole iteration record (its own metrics with
-        the loop's times), added to the record before it is written; none by default."""
+        """Metrics the mode derives from the whole iteration record; none by default.
+
+        The record holds the mode's own metrics and the loop's times; what this returns is
+        added to it before it is written.
+        """
         return {}
 
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
