@@ -480,12 +480,15 @@ class TierPlan:
     def rebalance(self, bad_paths: Sequence[int]) -> List[Tuple[int, int, int]]:
         """Ends a step: the (subgroup, from, to) moves made toward the observed throughputs.
 
-        A move to a path in ``bad_paths`` (one that failed a write) is not made.
+        A move to a path in ``bad_paths`` (one that failed a write), or beyond a path's
+        room, is not made.
         """
         if self.rebalancer is None:
             return []
         moves = []
-        for index, source, target in self.rebalancer.end_step(self.home, self.sizes):
+        # Within each path's room: the auto sizes placed up to it.
+        for index, source, target in self.rebalancer.end_step(self.home, self.sizes,
+                                                              free_bytes=self._room_left()):
             if target in bad_paths:
                 continue
             self.home[index] = target

@@ -345,3 +345,19 @@ def test_giving_back_without_paths_checks_host_memory():
 def test_path_io_per_step(tmp_path, alternate, cache, want):
     plan = make_plan(paths(tmp_path, [1.0]), cache, offload_alternate_order=alternate)
     assert plan.path_io_per_step() == [want]
+
+
+def test_rebalancing_stays_within_each_path_s_room(tmp_path):
+    # Path 1 has room for exactly what it was given: however slow path 0 gets, nothing
+    # moves there (before, a move could overfill a path that auto had sized).
+    tiers = paths(tmp_path, [1.0, 1.0])
+    plan = auto_plan(tiers, 3, free=[20 * SG, 20 * SG])
+    room = [sum(SIZES[i] for i, h in enumerate(plan.home) if h == p) for p in (0, 1)]
+    plan = auto_plan(tiers, 3, free=[20 * SG, room[1]])
+    assert plan.room[1] == room[1] and plan.path_subgroups(1) == 4
+    moves = []
+    for _ in range(12):
+        plan.observe_io(0, 10**8, 1.0)
+        plan.observe_io(1, 10**8, 0.1)
+        moves += plan.rebalance(bad_paths=set())
+    assert moves == [] and plan.path_subgroups(1) == 4
