@@ -107,9 +107,10 @@ class OffloadConfig:
     (CI: the host is also the "device") auto keeps everything in host memory without
     --offload-paths and three subgroups with them (the minimum that overlaps fetch, update
     and flush), unless MEGATRON_EXT_MEMAVAILABLE_GB is set. Pinned on GPU machines. The
-    pipeline adds about 8 bytes per element of one subgroup (gradient staging and an fp32
-    scratch). When the paths cannot hold every subgroup, the cache keeps those that do not
-    fit, without a file, as long as three buffers are left for the pipeline."""
+    pipeline adds up to 12 bytes per element of one subgroup (gradient staging and an fp32
+    scratch) and one state buffer; auto counts them. When the paths cannot hold every
+    subgroup, the cache keeps those that do not fit, without a file, as long as three
+    buffers are left for the pipeline."""
     offload_host_reserve_gb: Optional[float] = option(None, metavar="G")
     """With --offload-host-cache-gb auto: host memory, in GB per node, left free beyond
     what the engine takes (the page cache of the paths' I/O, data loaders, checkpoints,
