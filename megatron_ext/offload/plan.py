@@ -254,9 +254,9 @@ class TierPlan:
         if cfg.device_cache_auto and not self.device_auto:
             device += " (auto: no GPU on this run)"
         elif self.device_auto:
-            device += (f" (auto: the plan's budget {gb(self.device_budget)} GB"
-                       if self.device_budget is not None else " (auto: none before")
-            device += ", sized at the first step)"
+            device += (f" (auto: the plan's budget {gb(self.device_budget)} GB, refined at "
+                       "the first step)" if self.device_budget is not None
+                       else " (auto: sized at the first step)")
         hosted = n - len(self.device_members)
         held = hosted if self.capacity is None else self.capacity
         host = (f"host cache {gb(held * self._per_buffer())} GB, {held} subgroups, "
