@@ -68,14 +68,19 @@ FEATURE_PREFIXES = ("offload/", "zenflow/")
 # Ratios are also recognised by their values (see classify_field).
 _SUFFIX_KINDS = (("_per_s", "rate"), ("_gbps", "bandwidth"), ("_gib", "memory"),
                  ("_bytes", "bytes"),
+                 # A lower bound of the step (offload's I/O floor), and the step over its
+                 # bound (>= 1): lines, not phases to stack or ratios in 0-1.
+                 ("_floor_s", "floor"), ("roofline_ratio", "roofline"),
                  ("_bg_s", "background"), ("_s", "time"), ("_rate", "ratio"),
                  ("_ratio", "ratio"), ("_fraction", "ratio"),
                  # Counts (of subgroups, copies) are values even when they are 0 or 1.
                  ("_n", "values"), ("_subgroups", "values"), ("_copies", "values"))
-_KIND_ORDER = ("time", "background", "ratio", "bandwidth", "memory", "rate", "bytes",
-               "values")
+_KIND_ORDER = ("time", "background", "floor", "roofline", "ratio", "bandwidth", "memory",
+               "rate", "bytes", "values")
 _KIND_YLABEL = {"time": "time per iteration ({unit})",
-                "background": "busy time per iteration (s)", "ratio": "ratio (0-1)",
+                "background": "busy time per iteration (s)",
+                "floor": "lower bound per iteration (s)",
+                "roofline": "iteration / max(fwd+bwd, floor)", "ratio": "ratio (0-1)",
                 "bandwidth": "GB/s", "memory": "GiB", "rate": "per second",
                 "bytes": "bytes per iteration ({unit})", "values": "count or value"}
 # Above this many records a stacked area replaces the stacked bars (faster, and bars
@@ -239,7 +244,8 @@ def feature_panels(train: Sequence[dict], prefix: str) -> List[Panel]:
             name=f"{feature}/{kind}", title=f"{feature}: {kind}",
             kind="stacked" if kind == "time" else "lines", ylabel=_KIND_YLABEL[kind],
             series=groups[kind], ylim=(0.0, 1.05) if kind == "ratio" else None,
-            from_zero=kind in ("bandwidth", "memory", "rate", "bytes", "values")))
+            from_zero=kind in ("floor", "roofline", "bandwidth", "memory", "rate", "bytes",
+                               "values")))
     return panels
 
 

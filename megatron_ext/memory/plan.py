@@ -27,8 +27,8 @@ from megatron_ext.optim.modes import TieredStates, mode_of
 PIPELINE_BUFFERS = 3
 """Host buffers the offload pipeline needs at least (fetch, update, flush)."""
 HOST_RESERVE_SHARE = 0.1
-"""Of a rank's host memory, the share ``auto`` leaves free (at least HOST_RESERVE_MIN)."""
-HOST_RESERVE_MIN = 4 * GB
+"""Of the node's MemAvailable, the share ``auto`` leaves free without
+``--offload-host-reserve-gb`` (the offload engine's rule, offload/capacity.py)."""
 
 
 def gb(nbytes: float) -> str:
@@ -139,8 +139,16 @@ def _gpu_reserve(cfg) -> int:
     return int(cfg.offload.offload_device_reserve_gb * GB)
 
 
-def _host_reserve(share: int) -> int:
-    return int(max(HOST_RESERVE_MIN, HOST_RESERVE_SHARE * share))
+def _host_reserve(cfg, share: int, ranks: int) -> int:
+    """A rank's part of the host memory left free.
+
+    The offload engine's rule: ``--offload-host-reserve-gb`` for the node, else a tenth of
+    MemAvailable.
+    """
+    node_gb = cfg.offload.offload_host_reserve_gb
+    if node_gb is not None:
+        return int(round(node_gb * GB)) // max(1, ranks)
+    return int(HOST_RESERVE_SHARE * share)
 
 
 def _subgroup_sizes(states: TieredStates) -> List[int]:
@@ -321,7 +329,7 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
             f"{gb(plan.host.capacity)} GB available: {needs.host_fix or 'free host memory'}")
     if needs.tiered is not None:
         host_room = (plan.host.capacity - plan.host.used
-                     - _host_reserve(plan.host.capacity))
+                     - _host_reserve(cfg, plan.host.capacity, machine.ranks_per_node))
         refusal = _place_tiered(plan, needs.tiered, host_room)
         if refusal:
             plan.refusals.append(refusal)

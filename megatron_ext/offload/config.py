@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload.jobdir import check_run_id
@@ -19,6 +19,13 @@ MEMORY_PEAK_ENV = "MEGATRON_EXT_DEVICE_PEAK_GB"
 # Test hook: a fixed share of the host subgroups' elements to stream through the device
 # (CPU runs stream nothing by themselves: their "device" is the CPU).
 STREAM_SHARE_ENV = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
+# The machine's capacities as the ``auto`` sizes see them, injected (tests; the memory plan
+# reads the same variables): the node's MemAvailable, and each path's free space.
+MEM_AVAILABLE_ENV = "MEGATRON_EXT_MEMAVAILABLE_GB"
+PATH_FREE_ENV = "MEGATRON_EXT_PATH_FREE_GB"
+# Knobs that describe the machine rather than the engine: a run without --offload-optimizer
+# may carry them (the memory plan of any run reads them).
+MACHINE_KNOBS = ("offload_mem_available_gb", "offload_path_free_gb")
 
 
 def parse_gb(text: str) -> float:
@@ -47,6 +54,25 @@ def parse_peaks(text: str) -> List[List[float]]:
     return peaks
 
 
+def parse_gb_list(text: str) -> List[float]:
+    """``GB,GB,...``: one number >= 0 per item."""
+    try:
+        return [parse_gb(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError("give one number of GB (>= 0) per --offload-paths entry, separated "
+                         "by commas, e.g. 60,500") from None
+
+
+def parse_size_or_auto(text: str) -> Union[float, str]:
+    """``auto`` or a number (GB); checked by the section."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        return text  # refused in one line by __post_init__
+
+
 def parse_share(text: str) -> float:
     """A share of elements: a number >= 0, capped at 1."""
     return min(1.0, parse_gb(text))
@@ -71,14 +97,24 @@ class OffloadConfig:
     DIR@READ_GBPS,WRITE_GBPS (tools/probe_tiers.py prints the value to use). Each job
     writes under DIR/megatron_ext-USER/JOB/rankNNNNN (owner-only). With no path, every
     state stays in host memory."""
-    offload_host_cache_gb: Optional[float] = None
+    offload_host_cache_gb: Union[float, str] = option("auto", metavar="G|auto",
+                                                      parse=parse_size_or_auto)
     """Host memory, in GB per rank, for subgroup states (the cache, including the buffers
-    being fetched and flushed; 12 bytes per element). Default: everything in host memory
-    when there is no --offload-paths, else three subgroups (the minimum that overlaps
-    fetch, update and flush). Pinned on GPU machines. The pipeline adds about 8 bytes per
-    element of one subgroup (gradient staging and an fp32 scratch). When the paths cannot
-    hold every subgroup, the cache keeps those that do not fit, without a file, as long
-    as three buffers are left for the pipeline."""
+    being fetched and flushed; 12 bytes per element). auto (default): from the node's
+    MemAvailable at start, less --offload-host-reserve-gb and the pipeline's own buffers,
+    shared by the ranks of the node: as many subgroups as fit, and --offload-paths hold the
+    rest (with no path, a run whose states do not fit is refused in one line). On a CPU run
+    (CI: the host is also the "device") auto keeps everything in host memory without
+    --offload-paths and three subgroups with them (the minimum that overlaps fetch, update
+    and flush), unless MEGATRON_EXT_MEMAVAILABLE_GB is set. Pinned on GPU machines. The
+    pipeline adds up to 12 bytes per element of one subgroup (gradient staging and an fp32
+    scratch) and one state buffer; auto counts them. When the paths cannot hold every
+    subgroup, the cache keeps those that do not fit, without a file, as long as three
+    buffers are left for the pipeline."""
+    offload_host_reserve_gb: Optional[float] = option(None, metavar="G")
+    """With --offload-host-cache-gb auto: host memory, in GB per node, left free beyond
+    what the engine takes (the page cache of the paths' I/O, data loaders, checkpoints,
+    other processes). Default: a tenth of MemAvailable."""
     offload_subgroup_size: int = 100_000_000
     """Elements per subgroup: the unit of fetch, update and flush (12 bytes of state per
     element). Smaller subgroups pipeline more finely but do more, smaller I/O."""
@@ -111,14 +147,19 @@ class OffloadConfig:
     tails handled). Falls back to buffered I/O where the file system refuses it."""
     offload_checksum: str = option("xxh3", choices=("xxh3", "crc32c", "none"))
     """Checksum written with each state file and verified on every read."""
-    offload_device_cache_gb: str = option("0", metavar="G|auto")
+    offload_device_cache_gb: str = option("auto", metavar="G|auto")
     """GPU memory, in GB per rank, for the device tier: subgroups whose states stay on the
     GPU and are updated there by a fused Adam, with no PCIe traffic. Placement fills it
-    first, then the host cache, then --offload-paths. 0 (default): no device tier. auto:
-    sized at the first step from the peak memory of forward and backward
-    (torch.cuda.max_memory_allocated) plus --offload-device-reserve-gb; one log line says
-    what it chose, and subgroups move back down to the host when a later peak would not
-    fit. On a CPU run the "device" is host memory (CI exercises the same code)."""
+    first, then the host cache, then --offload-paths. 0: no device tier. auto (default):
+    the memory plan's GPU budget (free memory less weights, gradients, the activation
+    estimate and a reserve) before the first step, so the host cache and the paths need to
+    hold only the rest; then sized again at the first step from the measured peak of
+    forward and backward (torch.cuda.max_memory_allocated) plus
+    --offload-device-reserve-gb, growing or shrinking; one log line says what it chose,
+    and subgroups move back down to the host when a later peak would not fit. Without a
+    budget from the plan, the first step sizes it alone. On a CPU run (no GPU) auto means
+    no device tier; a fixed size keeps its states in host memory (CI exercises the same
+    code). With --zenflow auto means none (ZenFlow keeps its own GPU states)."""
     offload_device_reserve_gb: float = 4.0
     """With --offload-device-cache-gb auto: GPU memory, in GB, left free beyond the
     measured peak (allocator fragmentation, evaluation, checkpointing)."""
@@ -156,21 +197,33 @@ class OffloadConfig:
                                                  parse=parse_share, metavar="SHARE")
     """Test hook: a fixed share (0-1) of the host subgroups' elements to stream through
     the device each step, in place of the measured split (a CPU run streams none)."""
+    offload_mem_available_gb: Optional[float] = knob(None, env=MEM_AVAILABLE_ENV,
+                                                     parse=parse_gb, metavar="GB")
+    """The node's MemAvailable in GB, in place of /proc/meminfo's, for
+    --offload-host-cache-gb auto (and the memory plan). On a CPU run it also turns the
+    host cache's auto sizing on."""
+    offload_path_free_gb: List[float] = knob([], env=PATH_FREE_ENV, parse=parse_gb_list,
+                                             metavar="GB,GB,...")
+    """Each --offload-paths entry's free space in GB (one per path, in order), in place of
+    the file system's (statvfs), for the room auto placement gives each path (and the
+    memory plan)."""
 
     def __post_init__(self):
         if self.offload_subgroup_size <= 0:
             raise UsageError("--offload-subgroup-size must be positive")
         if self.offload_io_threads <= 0:
             raise UsageError("--offload-io-threads must be positive")
-        if self.offload_host_cache_gb is not None and self.offload_host_cache_gb <= 0:
-            raise UsageError("--offload-host-cache-gb must be positive")
+        self._check_host_cache()
+        if self.offload_host_reserve_gb is not None and not self.offload_host_reserve_gb >= 0:
+            raise UsageError("--offload-host-reserve-gb must be >= 0")
         if self.offload_run_id is not None:
             check_run_id(self.offload_run_id)
         self.device_cache_bytes()
         if self.offload_device_reserve_gb < 0:
             raise UsageError("--offload-device-reserve-gb must be >= 0")
         if not self.offload_optimizer:
-            changed = [f.name for f in dataclasses.fields(self) if f.name != "offload_optimizer"
+            changed = [f.name for f in dataclasses.fields(self)
+                       if f.name != "offload_optimizer" and f.name not in MACHINE_KNOBS
                        and getattr(self, f.name) != (
                            f.default if f.default is not dataclasses.MISSING
                            else f.default_factory())]
@@ -197,6 +250,32 @@ class OffloadConfig:
                                      "job writes in its own subdirectory there)")
                 if not os.access(path, os.W_OK | os.X_OK):
                     raise UsageError(f"--offload-paths {path}: not writable by this user")
+        if (self.offload_paths and self.offload_path_free_gb
+                and len(self.offload_path_free_gb) != len(self.offload_paths)):
+            raise UsageError(f"{PATH_FREE_ENV} gives {len(self.offload_path_free_gb)} free "
+                             f"sizes for {len(self.offload_paths)} --offload-paths: give one "
+                             "per path, in order")
+
+    def _check_host_cache(self) -> None:
+        value = self.offload_host_cache_gb
+        if value is None:  # a caller from before auto: None meant the default
+            value = self.offload_host_cache_gb = "auto"
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            self.offload_host_cache_gb = "auto"
+            return
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"--offload-host-cache-gb {value}: give a size in GB or auto") \
+                from None
+        if not number > 0 or number == float("inf"):
+            raise UsageError("--offload-host-cache-gb must be positive (a size in GB, or auto)")
+        self.offload_host_cache_gb = number
+
+    @property
+    def host_cache_auto(self) -> bool:
+        """Whether --offload-host-cache-gb is auto."""
+        return self.offload_host_cache_gb == "auto"
 
     @property
     def device_cache_auto(self) -> bool:

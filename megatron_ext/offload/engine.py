@@ -50,7 +50,7 @@ from megatron_ext.offload.staging import (
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import ShardParam, Subgroup, layout_fingerprint, partition
-from megatron_ext.offload.tier_model import Tier, Updater
+from megatron_ext.offload.tier_model import Tier, Updater, io_floor
 from megatron_ext.offload.updaters import (
     CpuUpdater,
     DeviceUpdater,
@@ -69,7 +69,8 @@ class OffloadEngine:
                  device: torch.device, tiers: Sequence[TierSpec], run_id: str,
                  model_dtype: torch.dtype, grad_dtype: torch.dtype,
                  layout: Optional[StateLayout] = None, faults: Faults = Faults(),
-                 params_are_model: bool = True):
+                 params_are_model: bool = True,
+                 device_budget_bytes: Optional[int] = None):
         """Plans the tiers, opens the store and builds the updaters of this run.
 
         Args:
@@ -89,6 +90,9 @@ class OffloadEngine:
                 offload optimizer) or buffers of the caller's (ZenFlow's upload buffers):
                 a load that turns whole masters into remainders checks the former against
                 the masters and sets the latter.
+            device_budget_bytes: with ``--offload-device-cache-gb auto``, the device bytes
+                the device tier may take before the first step (the memory plan's GPU
+                budget); None: the first step sizes it.
         """
         self.cfg = cfg
         layout = layout or StateLayout()
@@ -117,7 +121,11 @@ class OffloadEngine:
         self.sizes = [self.layout.nbytes(sg.numel) for sg in self.subgroups]
         self.buffer_bytes = self.layout.nbytes(self.max_numel)
         self.tier_plan = TierPlan(cfg, [sg.numel for sg in self.subgroups], self.sizes,
-                                  self.buffer_bytes, tiers=self.tiers, rank=rank, device=device)
+                                  self.buffer_bytes, tiers=self.tiers, rank=rank, device=device,
+                                  device_budget_bytes=device_budget_bytes)
+        # What the paths moved over the run: the bandwidth behind the I/O floor when a
+        # logging interval moved nothing on a path.
+        self._io_totals = [[0, 0.0, 0, 0.0] for _ in self.tiers]
         is_cuda = device.type == "cuda"
         # torch's fused CPU AdamW is several times faster; its rounding differs from the
         # reference implementation in the last bit, and on a CPU run the reference is what
@@ -243,13 +251,18 @@ class OffloadEngine:
     # ----------------------------------------------------------------- the device tier
 
     def _size_device_tier(self) -> None:
-        """``auto``: fills the device tier once from the measured peak, gives back later."""
+        """``auto``: sizes the device tier at the first step, gives back later.
+
+        At the first step the measured peak sizes it (from the memory plan's budget, if it
+        started with one: it grows or shrinks); a later peak only takes memory back.
+        """
         plan = self.tier_plan
         if not plan.device_auto:
             return
-        limit, peak = plan.memory(self.step_count)
+        limit, peak = plan.memory(self.step_count, self.store.device_state_bytes())
         reserve = int(self.cfg.offload_device_reserve_gb * 1e9)
         others = max(0, peak - plan.device_bytes())  # what the iteration needs besides
+        before = len(plan.device_members)
         joining, leaving = plan.resize_device(limit, peak)
         for index in joining:
             if self.initialized:
@@ -257,12 +270,17 @@ class OffloadEngine:
             plan.join(index)
         for index in leaving:
             plan.leave(index, to_host=self.store.demote(index))
+        # A subgroup that left without a path may have grown the cache by a buffer.
+        self.store.cache.capacity = plan.capacity
         if not plan.device_sized:
             plan.device_sized = True
+            start = ("" if plan.device_budget is None else
+                     f", {before} before the first step from the plan's budget "
+                     f"{gb(plan.device_budget)} GB")
             log.info("offload: rank %d device tier (auto): %d of %d subgroups, %s GB "
-                     "(device memory %s GB, peak besides it %s GB, reserve %s GB)",
+                     "(device memory %s GB, peak besides it %s GB, reserve %s GB%s)",
                      self.rank, len(plan.device_members), len(self.subgroups),
-                     gb(plan.device_bytes()), gb(limit), gb(others), gb(reserve))
+                     gb(plan.device_bytes()), gb(limit), gb(others), gb(reserve), start)
         elif leaving:
             log.warning("offload: rank %d device tier gives back %d subgroups (%s GB) to the "
                         "host: the peak grew to %s GB; it keeps %d (%s GB)", self.rank,
@@ -534,10 +552,42 @@ class OffloadEngine:
         record["offload/stream_issue_s"] = s.time["stream_issue"] / steps
         record["offload/streamed_subgroups"] = s.streamed_subgroups / steps
         record["offload/state_bytes_per_element"] = self.layout.bytes_per_element
+        record["offload/host_cache_subgroups"] = (
+            len(self.subgroups) - len(self.device_members) if self.tier_plan.capacity is None
+            else self.tier_plan.capacity)
+        record["offload/host_only_subgroups"] = self.tier_plan.host_only()
         record.update(s.path_metrics(steps, [self.tier_plan.path_subgroups(i)
                                              for i in range(len(self.tiers))]))
+        record.update(self._io_floor(record))
         s.reset()
         return record
+
+    def _io_floor(self, record: Dict[str, float]) -> Dict[str, float]:
+        """The I/O floor of a step: the seconds its path traffic needs at least.
+
+        The bytes that must cross each path per step (given where the subgroups live and
+        what the cache keeps) over the bandwidth the path showed in this run: this
+        interval's, else the run's so far, else its given or probed one.
+        """
+        s = self.stats
+        each_way = self.tier_plan.path_io_per_step()
+        rates = []
+        for i, tier in enumerate(self.tiers):
+            total = self._io_totals[i]
+            total[0] += s.read_bytes[i]
+            total[1] += s.read_s[i]
+            total[2] += s.write_bytes[i]
+            total[3] += s.write_s[i]
+            read = (record[f"offload/path{i}_read_gbps"]
+                    or (total[0] / total[1] / 1e9 if total[1] else tier.read_gbps))
+            write = (record[f"offload/path{i}_write_gbps"]
+                     or (total[2] / total[3] / 1e9 if total[3] else tier.write_gbps))
+            rates.append((read, write))
+        seconds = io_floor(each_way, each_way, [r for r, _ in rates], [w for _, w in rates])
+        out = {f"offload/path{i}_floor_bytes": 2 * b for i, b in enumerate(each_way)}
+        out["offload/io_floor_bytes"] = 2 * sum(each_way)
+        out["offload/io_floor_s"] = max(seconds, default=0.0)
+        return out
 
     def close(self, remove_files: bool = True) -> None:
         """Stops the threads and removes this rank's tier files."""

@@ -7,7 +7,7 @@ imported inside :meth:`OffloadMode.build`.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_ext.optim.modes import (
     MemoryNeeds,
@@ -58,15 +58,26 @@ class OffloadMode(Mode):
         only("optimizer.optimizer", "adam", "--offload-optimizer supports --optimizer adam only"),
     )
 
-    def build(self, cfg, model_chunks, runtime):
-        """megatron-core's factory with the offloaded DistributedOptimizer bound into it."""
+    def build(self, cfg, model_chunks, runtime, plan=None):
+        """megatron-core's factory with the offloaded DistributedOptimizer bound into it.
+
+        With ``--offload-device-cache-gb auto`` and a memory plan that knows the GPU, the
+        device tier starts at the plan's budget (so the host cache and the paths hold only
+        the rest before the first step); the first step's measured peak then refines it.
+        """
+        from megatron_ext.memory.plan import device_budget_bytes
         from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
         from megatron_ext.optim.factory import build_megatron_optimizer
         from megatron_ext.runtime.faults import Faults
 
+        budget = None
+        if (plan is not None and cfg.offload.device_cache_auto
+                and plan.machine.gpu_free_bytes is not None):
+            budget = device_budget_bytes(plan)
         with offloaded_distributed_optimizer(cfg.offload, runtime.rank,
                                              cfg.optimizer.state_layout(),
-                                             Faults(cfg.faults.offload_fault)) as bound:
+                                             Faults(cfg.faults.offload_fault),
+                                             device_budget_bytes=budget) as bound:
             return build_megatron_optimizer(cfg, model_chunks, bound)
 
     def log_summary(self, record: dict) -> Optional[str]:
@@ -94,6 +105,7 @@ class OffloadMode(Mode):
         the host: the gradients' two pinned stages and an fp32 scratch.
         """
         from megatron_ext.memory.shape import state_array_bytes, state_nbytes
+        from megatron_ext.offload.tier_model import pipeline_host_bytes
 
         off = cfg.offload
         arrays = state_array_bytes(cfg)
@@ -101,17 +113,31 @@ class OffloadMode(Mode):
         buffer = state_nbytes(arrays, biggest)
         gpu = {"offload staging": biggest * (2 * arrays[0] + 4)
                + (2 * buffer if off.offload_gpu_update else 0)}
-        host = {"offload pipeline": biggest * (2 * shape.grad_bytes + 4)}
+        # The engine's own rule for what its pipeline takes on the host (tier_model).
+        host = {"offload pipeline": pipeline_host_bytes(biggest, buffer)}
         states = TieredStates(
             elements=shape.shard_elements, arrays=arrays, subgroup_size=off.offload_subgroup_size,
             device_bytes=None if off.device_cache_auto else off.device_cache_bytes(),
-            host_bytes=(None if off.offload_host_cache_gb is None
-                        else int(round(off.offload_host_cache_gb * 1e9))),
+            host_bytes=(None if off.host_cache_auto
+                        else int(round(float(off.offload_host_cache_gb) * 1e9))),
             path_reserve_bytes=path_reserve_bytes(buffer),
             place=path_placement(off.offload_placement))
         return MemoryNeeds(gpu=gpu, host=host, tiered=states,
                            gpu_fix="lower --offload-device-cache-gb or "
                                    "--offload-subgroup-size")
+
+    def derived_metrics(self, record: dict) -> Dict[str, float]:
+        """``offload/roofline_ratio``: the iteration's time over its lower bound.
+
+        The bound is the larger of forward+backward and the engine's I/O floor; 1.0 means
+        nothing else costs time.
+        """
+        floor = record.get("offload/io_floor_s")
+        step, compute = record.get("time/iteration_s"), record.get("time/forward_backward_s")
+        if floor is None or step is None or compute is None:
+            return {}
+        bound = max(compute, floor)
+        return {"offload/roofline_ratio": step / bound} if bound > 0 else {}
 
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """The engine's manifests under the checkpoint and the state files they name."""

@@ -37,12 +37,14 @@ class OffloadedDistributedOptimizer(ShardedStateOptimizer):
 
     def __init__(self, *args, offload_config: OffloadConfig, rank: int, run_id: str,
                  tiers: List[TierSpec], layout: Optional[StateLayout] = None,
-                 faults: Faults = Faults(), **kwargs):
+                 faults: Faults = Faults(), device_budget_bytes: Optional[int] = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         params = [self._shard_param(shard) for shard in self.shards]
         self.engine = OffloadEngine(offload_config, params, rank=rank, device=self.device,
                                     tiers=tiers, run_id=run_id, model_dtype=self.model_dtype,
-                                    grad_dtype=self.grad_dtype, layout=layout, faults=faults)
+                                    grad_dtype=self.grad_dtype, layout=layout, faults=faults,
+                                    device_budget_bytes=device_budget_bytes)
 
     def _shard_param(self, shard) -> ShardParam:
         model_param = shard.model_param
@@ -166,14 +168,17 @@ def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:
 
 def offloaded_distributed_optimizer(cfg: OffloadConfig, rank: int,
                                     layout: Optional[StateLayout] = None,
-                                    faults: Faults = Faults()):
+                                    faults: Faults = Faults(),
+                                    device_budget_bytes: Optional[int] = None):
     """Within the block, megatron-core's optimizer factory builds the offloaded optimizer.
 
     ``layout``: the dtypes the states are stored in (Megatron-LM's precision-aware
     optimizer flags); fp32 by default. ``faults``: the test suite's offload faults
-    (``RunConfig.faults.offload_fault``); none by default.
+    (``RunConfig.faults.offload_fault``); none by default. ``device_budget_bytes``: with
+    ``--offload-device-cache-gb auto``, the device bytes the memory plan leaves for the
+    device tier before the first step (None: the first step sizes it).
     """
     run_id, tiers = offload_setup(cfg, rank)
     return bound_distributed_optimizer(OffloadedDistributedOptimizer, offload_config=cfg,
                                        rank=rank, run_id=run_id, tiers=tiers, layout=layout,
-                                       faults=faults)
+                                       faults=faults, device_budget_bytes=device_budget_bytes)

@@ -13,7 +13,12 @@ it asks about are the records and pure functions here (no I/O, no clock, no torc
 * who updates a host subgroup: :class:`Updater` (device, CPU, or streamed through the
   device); :func:`stream_rate`, :func:`stream_share`, :func:`split_updates` and
   :class:`UpdateRates` split the host subgroups between CPU Adam and the stream so that
-  both sides end together.
+  both sides end together;
+* how much the ``auto`` sizes give the host cache and each path:
+  :func:`pipeline_host_bytes`, :func:`host_cache_budget` and :func:`path_room`;
+* the I/O floor of a step: :func:`steady_path_io` (the bytes that must cross each path per
+  step, given where the subgroups live and what the cache keeps) and :func:`io_floor`
+  (those bytes over the paths' bandwidths).
 
 Units: bandwidths in GB/s (10**9 bytes per second); sizes in bytes; rates in elements per
 second.
@@ -34,10 +39,15 @@ __all__ = [
     "Updater",
     "device_budget",
     "fixed_device_subgroups",
+    "host_cache_budget",
+    "io_floor",
+    "path_room",
+    "pipeline_host_bytes",
     "resize_device_tier",
     "split_updates",
     "spread",
     "stream_rate",
+    "steady_path_io",
     "stream_share",
 ]
 
@@ -245,3 +255,88 @@ class UpdateRates:
     def share(self, prior: float = 0.5) -> float:
         """The streamed share for the next step (:func:`stream_share`)."""
         return stream_share(self.cpu, self.stream, prior)
+
+
+# ----------------------------------------------------------------- auto sizes
+
+
+def pipeline_host_bytes(max_numel: int, buffer_bytes: int) -> int:
+    """Host bytes the update pipeline takes besides the cache's buffers (one rank).
+
+    Two gradient staging buffers and an fp32 scratch of the largest subgroup (4 bytes per
+    element each, the most a gradient dtype takes), and one state buffer for filling the
+    device tier and for checkpoints.
+    """
+    return 3 * 4 * max_numel + buffer_bytes
+
+
+def host_cache_budget(mem_available: int, local_ranks: int, reserve: int,
+                      pipeline: int) -> int:
+    """Bytes of host memory one rank's cache may take (``--offload-host-cache-gb auto``).
+
+    The node's ``mem_available`` less ``reserve`` (bytes left free: page cache, loaders,
+    other processes), shared by the ``local_ranks`` of the node, less each rank's
+    ``pipeline`` bytes (:func:`pipeline_host_bytes`).
+    """
+    return max(0, (mem_available - reserve) // max(1, local_ranks) - pipeline)
+
+
+def path_room(free_bytes: int, local_ranks: int, reserve: int) -> int:
+    """Bytes of one path a rank may fill with state files.
+
+    The path's ``free_bytes`` shared by the ``local_ranks`` of the node (each rank writes
+    its own directory there), less ``reserve`` (the recycled spare files and one temporary
+    file of the rank).
+    """
+    return max(0, free_bytes // max(1, local_ranks) - reserve)
+
+
+# ----------------------------------------------------------------- the I/O floor
+
+
+def steady_path_io(paths: Sequence[int], nbytes: Sequence[int], cached: Optional[int],
+                   alternate: bool, n_paths: int) -> List[float]:
+    """Bytes read from each path per step once the pipeline is steady (writes: the same).
+
+    The subgroups with a file are walked once per step, ``paths[k]`` the path and
+    ``nbytes[k]`` the bytes a miss reads (and, evicted, writes back) of the k-th in
+    ascending order. The host cache holds ``cached`` of them (None: every one) at the end
+    of a step. With the alternating order the next step starts on those (the last ones of
+    one walk are the first of the next), so a step misses all but ``cached``: the top
+    ``cached`` after an ascending step, the bottom after a descending one (the average of
+    the two here). Without it every step starts on what the cache evicted: all miss,
+    unless every one fits. Each miss is read once; each is evicted dirty once, so written
+    once.
+    """
+    total = [0.0] * n_paths
+    for path, size in zip(paths, nbytes):
+        total[path] += size
+    count = len(paths)
+    if cached is None or cached >= count:
+        return [0.0] * n_paths
+    if not alternate:
+        return total
+    kept = [0.0] * n_paths
+    for k in list(range(cached)) + list(range(count - cached, count)):
+        kept[paths[k]] += nbytes[k] / 2
+    return [t - k for t, k in zip(total, kept)]
+
+
+def io_floor(read_bytes: Sequence[float], write_bytes: Sequence[float],
+             read_gbps: Sequence[Optional[float]],
+             write_gbps: Sequence[Optional[float]]) -> List[float]:
+    """Seconds each path needs per step to read and write its bytes at its bandwidth.
+
+    Reads and writes of one path take turns (the node-local lock), so its time is the sum;
+    different paths work at once, so the step's floor is the largest. A path with bytes to
+    move and no known bandwidth counts 0 (nothing to divide by).
+    """
+    out = []
+    for r, w, rr, wr in zip(read_bytes, write_bytes, read_gbps, write_gbps):
+        seconds = 0.0
+        if r and rr:
+            seconds += r / (rr * _GB)
+        if w and wr:
+            seconds += w / (wr * _GB)
+        out.append(seconds)
+    return out

@@ -194,13 +194,25 @@ class Mode:
         """Whether the run (a RunConfig or a saved config dict) has this mode on."""
         return self.switch is None or bool(setting(cfg, self.switch))
 
-    def build(self, cfg, model_chunks, runtime):
-        """The run's optimizer for this rank's model chunks, through megatron-core's factory."""
+    def build(self, cfg, model_chunks, runtime, plan=None):
+        """The run's optimizer for this rank's model chunks, through megatron-core's factory.
+
+        ``plan``: the run's memory plan (:mod:`megatron_ext.memory`), made before the model
+        was built; a mode may size what it allocates from it (None: no plan).
+        """
         raise NotImplementedError
 
     def log_summary(self, record: dict) -> Optional[str]:
         """The mode's part of the stdout line from its metrics in ``record`` (None: nothing)."""
         return None
+
+    def derived_metrics(self, record: dict) -> Dict[str, float]:
+        """Metrics the mode derives from the whole iteration record; none by default.
+
+        The record holds the mode's own metrics and the loop's times; what this returns is
+        added to it before it is written.
+        """
+        return {}
 
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """(file, problem) of the files the mode wrote beside dist_checkpointing's."""
@@ -251,7 +263,7 @@ class PlainMode(Mode):
               when="optimizer.use_precision_aware_optimizer"),
     )
 
-    def build(self, cfg, model_chunks, runtime):
+    def build(self, cfg, model_chunks, runtime, plan=None):
         """megatron-core's optimizer as its factory builds it.
 
         Raises:
@@ -340,6 +352,14 @@ def mode_of(cfg) -> Mode:
 def log_summaries(record: dict) -> List[str]:
     """Each registered mode's part of the stdout line that ``record`` has metrics for."""
     return [text for text in (mode.log_summary(record) for mode in modes()) if text]
+
+
+def derived_metrics(record: dict) -> Dict[str, float]:
+    """Every registered mode's metrics derived from ``record`` (see Mode.derived_metrics)."""
+    out: Dict[str, float] = {}
+    for mode in modes():
+        out.update(mode.derived_metrics(record))
+    return out
 
 
 def checkpoint_problems(directory: str) -> List[Tuple[str, str]]:

@@ -23,6 +23,7 @@ from megatron_ext.checkpoint import save_lock
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
+from megatron_ext.optim.modes import derived_metrics
 from megatron_ext.runtime import faults
 from megatron_ext.runtime.batch_schedule import BatchRamp
 from megatron_ext.runtime.fatal import during
@@ -153,7 +154,7 @@ class Trainer:
         log.info("start-up: building the model")
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
         log.info("start-up: building the optimizer")
-        self.optimizer = build_optimizer(cfg, self.model, rt)
+        self.optimizer = build_optimizer(cfg, self.model, rt, plan=self.memory_plan)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.timers = SyncTimers(self._synchronize, log_level=2, log_option="max")
         self._wire_megatron_hooks(finalize_model_grads)
@@ -368,6 +369,7 @@ class Trainer:
         record.update(memory_stats(rt))
         record.update(self._plan_record)
         self._plan_record = {}
+        record.update(derived_metrics(record))  # e.g. offload's roofline ratio
         record["time/eta_s"] = self.eta.add(iters, elapsed, self.state.iteration)
         if rt.rank == 0:
             print(format_line(record, cfg.training.train_iters, cfg.logging.log_throughput),

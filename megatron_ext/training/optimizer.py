@@ -13,13 +13,15 @@ from __future__ import annotations
 from megatron_ext.optim.modes import mode_of
 
 
-def build_optimizer(cfg, model_chunks, runtime):
+def build_optimizer(cfg, model_chunks, runtime, plan=None):
     """Returns the optimizer of the run for this rank's model chunks.
+
+    ``plan``: the run's memory plan, made before the model (the mode may size from it).
 
     Raises:
         UsageError: a mode the device cannot run (megatron-core's host offload on CPU).
     """
-    return mode_of(cfg).build(cfg, model_chunks, runtime)
+    return mode_of(cfg).build(cfg, model_chunks, runtime, plan=plan)
 
 
 def build_scheduler(cfg, optimizer):

@@ -30,8 +30,12 @@ LINE_FIELDS = (("rho", "rho", ".3f"), ("update_interval", "S", ".0f"),
 
 
 def _gpu_state_flags(cfg) -> bool:
-    """Whether flags that size or shape the offload engine's GPU states are given."""
-    return bool(cfg.optimizer.use_precision_aware_optimizer or cfg.offload.device_cache_auto
+    """Whether flags that size or shape the offload engine's GPU states are given.
+
+    ``--offload-device-cache-gb auto`` is the default and means no device tier under
+    ZenFlow (its engine's states live on the CPU); a size in GB is refused.
+    """
+    return bool(cfg.optimizer.use_precision_aware_optimizer
                 or cfg.offload.device_cache_bytes() > 0)
 
 
@@ -56,7 +60,7 @@ class ZenFlowMode(Mode):
         only("optimizer.optimizer", "adam", "--zenflow supports --optimizer adam only"),
     )
 
-    def build(self, cfg, model_chunks, runtime):
+    def build(self, cfg, model_chunks, runtime, plan=None):
         """megatron-core's factory with the ZenFlow DistributedOptimizer bound into it."""
         from megatron_ext.optim.factory import build_megatron_optimizer
         from megatron_ext.zenflow.optimizer import zenflow_optimizer
@@ -101,8 +105,8 @@ class ZenFlowMode(Mode):
             interval = zen.zenflow_update_interval
             tiered = TieredStates(
                 elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,
-                host_bytes=(None if off.offload_host_cache_gb is None
-                            else int(round(off.offload_host_cache_gb * 1e9))),
+                host_bytes=(None if off.host_cache_auto
+                            else int(round(float(off.offload_host_cache_gb) * 1e9))),
                 updates_per_iteration=1.0 / (int(interval) if interval.isdigit() else 4),
                 overlaps_compute=True,
                 path_reserve_bytes=path_reserve_bytes(

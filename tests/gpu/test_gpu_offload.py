@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 BASE = [*GPU_TINY, *BF16, "--use-distributed-optimizer", "--train-iters", "20",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 SMALL = ["--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036"]
+# The device tier is auto by default (it was 0): the tests of host-side updates turn it off.
+NO_DEVICE = ["--offload-device-cache-gb", "0"]
 
 
 def tier_flags(tmp_path, count=2):
@@ -43,7 +45,7 @@ def test_offload_on_cuda_follows_the_gpu_optimizer(tmp_path, layout):
     run_pretrain([*BASE, "--metrics-path", str(plain)])
     # CPU Adam for every subgroup (the streamed update's two device slots would outweigh
     # this tiny model's states on the GPU; it has its own tests below).
-    run_pretrain([*BASE, "--offload-optimizer", *flags, "--no-offload-gpu-update",
+    run_pretrain([*BASE, "--offload-optimizer", *flags, *NO_DEVICE, "--no-offload-gpu-update",
                   "--metrics-path", str(offload)])
     assert train_losses(offload) == pytest.approx(train_losses(plain), rel=2e-3)
     last = [r for r in read_metrics(offload) if "offload/cache_hit_rate" in r][-1]
@@ -57,7 +59,7 @@ def test_offload_resume_on_cuda(tmp_path):
     # measured throughputs, and the two Adams round differently, so a resumed run is equal
     # only to rounding (test_streamed_share_follows_measured_rates_on_cuda).
     flags = [*BASE, "--offload-optimizer", *tier_flags(tmp_path), "--offload-direct-io",
-             "--no-offload-gpu-update"]
+             *NO_DEVICE, "--no-offload-gpu-update"]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
     assert losses_of(resumed) == pytest.approx(losses_of(straight), rel=1e-4)
 
@@ -82,7 +84,7 @@ def test_state_tiers_on_cuda_follow_the_cpu_update(tmp_path, layout):
         flags.append("--no-offload-gpu-update")
     cpu, tiered = tmp_path / "cpu.jsonl", tmp_path / "tiered.jsonl"
     run_pretrain([*BASE, "--offload-optimizer", "--offload-subgroup-size", "10000",
-                  "--no-offload-gpu-update", "--metrics-path", str(cpu)])
+                  *NO_DEVICE, "--no-offload-gpu-update", "--metrics-path", str(cpu)])
     run_pretrain([*BASE, "--offload-optimizer", *flags, "--metrics-path", str(tiered)],
                  env={"MEGATRON_EXT_OFFLOAD_STREAM_SHARE": "0.5"}
                  if layout.endswith("streamed") else None)
@@ -101,9 +103,9 @@ def test_streamed_share_follows_measured_rates_on_cuda(tmp_path):
     subgroups go each way (both sides have a rate), and the losses follow CPU Adam."""
     cpu, tiered = tmp_path / "cpu.jsonl", tmp_path / "tiered.jsonl"
     run_pretrain([*BASE, "--offload-optimizer", "--offload-subgroup-size", "10000",
-                  "--no-offload-gpu-update", "--metrics-path", str(cpu)])
+                  *NO_DEVICE, "--no-offload-gpu-update", "--metrics-path", str(cpu)])
     run_pretrain([*BASE, "--offload-optimizer", "--offload-subgroup-size", "10000",
-                  "--metrics-path", str(tiered)])
+                  *NO_DEVICE, "--metrics-path", str(tiered)])
     assert train_losses(tiered) == pytest.approx(train_losses(cpu), rel=2e-3)
     records = [r for r in read_metrics(tiered) if "offload/cache_hit_rate" in r]
     assert any(r["offload/streamed_subgroups"] > 0 for r in records)
@@ -117,6 +119,31 @@ def test_auto_device_tier_on_cuda(tmp_path):
     assert "device tier (auto): 12 of 12 subgroups" in result.stdout
     last = [r for r in read_metrics(out) if "offload/cache_hit_rate" in r][-1]
     assert last["offload/device_subgroups_n"] == 12
+
+
+def test_every_size_auto_on_cuda(tmp_path):
+    """--offload-optimizer alone: the host cache from MemAvailable (injected here: room for
+    6 buffers), the paths from their free space, the device tier at the first step (the
+    whole tiny state fits on the GPU); the curve follows the GPU optimizer."""
+    plain, auto = tmp_path / "plain.jsonl", tmp_path / "auto.jsonl"
+    run_pretrain([*BASE, "--metrics-path", str(plain)])
+    dirs = []
+    for i in range(2):
+        (tmp_path / f"tier{i}").mkdir()
+        dirs.append(str(tmp_path / f"tier{i}"))
+    pipeline, state = 3 * 4 * 10_000 + 120_000, 120_000
+    result = run_pretrain(
+        [*BASE, "--offload-optimizer", "--offload-subgroup-size", "10000", "--offload-paths",
+         *dirs, "--offload-host-reserve-gb", "0", "--metrics-path", str(auto)],
+        env={"MEGATRON_EXT_MEMAVAILABLE_GB": str((pipeline + 6 * state) / 1e9),
+             "LOCAL_WORLD_SIZE": "1"})
+    assert train_losses(auto) == pytest.approx(train_losses(plain), rel=2e-3)
+    line = next(s for s in result.stdout.splitlines() if "offload: rank 0 tiers:" in s)
+    assert "host cache 0.00072 GB, 6 subgroups" in line and "(auto: MemAvailable" in line
+    assert "device tier (auto): 12 of 12 subgroups" in result.stdout
+    last = [r for r in read_metrics(auto) if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/device_subgroups_n"] == 12
+    assert last["offload/io_floor_bytes"] == 0 and "offload/roofline_ratio" in last
 
 
 def test_all_tiers_resume_on_cuda(tmp_path):

@@ -136,6 +136,10 @@ def test_feature_fields_are_grouped_by_unit():
     ("offload/device_subgroups_n", [0.0, 1.0], "values"),
     ("offload/streamed_subgroups", [0.0], "values"),
     ("zenflow/d2h_copies", [1.0], "values"),
+    # The I/O floor is a bound, not a phase; the roofline ratio is >= 1, not in 0-1.
+    ("offload/io_floor_s", [0.3], "floor"),
+    ("offload/roofline_ratio", [1.4], "roofline"),
+    ("offload/host_only_subgroups", [1.0], "values"),
 ])
 def test_classify_field(key, values, kind):
     assert classify_field(key, values) == kind

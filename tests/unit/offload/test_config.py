@@ -28,6 +28,11 @@ OFFLOAD = [*BASE, "--offload-optimizer"]
     ([*OFFLOAD, "--offload-device-reserve-gb", "-1"], "must be >= 0"),
     ([*OFFLOAD, "--zenflow", "--offload-device-cache-gb", "1"], "--zenflow keeps its own"),
     ([*BASE, "--no-store-param-remainders"], "needs --offload-optimizer"),
+    ([*OFFLOAD, "--offload-host-cache-gb", "lots"], "give a size in GB or auto"),
+    ([*OFFLOAD, "--offload-host-cache-gb", "0"], "must be positive"),
+    ([*OFFLOAD, "--offload-host-reserve-gb", "-1"], "must be >= 0"),
+    ([*BASE, "--offload-host-cache-gb", "auto", "--offload-host-reserve-gb", "1"],
+     "--offload-host-reserve-gb needs --offload-optimizer"),
 ])
 def test_refused(argv, message):
     with pytest.raises(UsageError, match=message):
@@ -35,7 +40,8 @@ def test_refused(argv, message):
 
 
 @pytest.mark.parametrize("argv,device_bytes,auto,names", [
-    (OFFLOAD, 0, False, ["fp32"] * 3),
+    (OFFLOAD, 0, True, ["fp32"] * 3),  # auto is the default (it was 0)
+    ([*OFFLOAD, "--offload-device-cache-gb", "0"], 0, False, ["fp32"] * 3),
     ([*OFFLOAD, "--offload-device-cache-gb", "auto"], 0, True, ["fp32"] * 3),
     ([*OFFLOAD, "--offload-device-cache-gb", "2.5", "--use-precision-aware-optimizer",
       "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"], 2_500_000_000, False,
@@ -62,3 +68,34 @@ def test_store_param_remainders_is_on_by_default(extra, stored):
     """megatron-core's field name; where it applies is the engine's call (bf16 weights,
     fp32 masters: tests/unit/offload/test_engine.py)."""
     assert parse_config([*OFFLOAD, "--bf16", *extra]).offload.store_param_remainders is stored
+@pytest.mark.parametrize("argv,cache", [
+    (OFFLOAD, "auto"),
+    ([*OFFLOAD, "--offload-host-cache-gb", "auto"], "auto"),
+    ([*OFFLOAD, "--offload-host-cache-gb", "AUTO"], "auto"),
+    ([*OFFLOAD, "--offload-host-cache-gb", "2.5"], 2.5),
+])
+def test_host_cache_is_auto_or_a_size(argv, cache):
+    cfg = parse_config(argv)
+    assert cfg.offload.offload_host_cache_gb == cache
+    assert cfg.offload.host_cache_auto is (cache == "auto")
+
+
+def test_machine_knobs(monkeypatch, tmp_path):
+    """The injected MemAvailable and free space: parsed, one free size per path, and
+    allowed on a run without --offload-optimizer (the memory plan of any run reads them)."""
+    from megatron_ext.offload.config import MEM_AVAILABLE_ENV, PATH_FREE_ENV
+
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, "12.5")
+    monkeypatch.setenv(PATH_FREE_ENV, "60,0.5")
+    cfg = parse_config(BASE)
+    assert cfg.offload.offload_mem_available_gb == 12.5
+    assert cfg.offload.offload_path_free_gb == [60.0, 0.5]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert parse_config([*OFFLOAD, "--offload-paths", *paths]).offload.offload_paths == paths
+    with pytest.raises(UsageError, match="gives 2 free sizes for 1 --offload-paths"):
+        parse_config([*OFFLOAD, "--offload-paths", paths[0]])
+    monkeypatch.setenv(PATH_FREE_ENV, "60,lots")
+    with pytest.raises(UsageError, match="MEGATRON_EXT_PATH_FREE_GB=60,lots: give one number"):
+        parse_config(OFFLOAD)

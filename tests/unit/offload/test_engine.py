@@ -436,12 +436,17 @@ def test_auto_device_tier_sizes_from_the_peak_and_gives_memory_back(tmp_path, mo
         engine.close()
 
 
-def test_auto_device_tier_on_the_cpu_needs_a_size(tmp_path, monkeypatch):
+def test_auto_device_tier_on_the_cpu_is_none(tmp_path, monkeypatch):
+    # auto is the default; on a CPU run (no device memory to measure) it means no device
+    # tier (before auto became the default this was refused).
     from megatron_ext.offload.config import MEMORY_LIMIT_ENV
 
     monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
-    with pytest.raises(UsageError, match="give a size in GB"):
-        _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")
+    engine = _engine(tmp_path, Shard(torch.bfloat16), 0, {}, offload_device_cache_gb="auto")
+    try:
+        assert engine.device_members == [] and not engine.tier_plan.device_auto
+    finally:
+        engine.close()
 
 
 # ---------------------------------------------------------------- remainders
@@ -635,5 +640,88 @@ def test_reset_masters_and_initialize_from_set_the_weights_beside_the_remainders
             assert torch.equal(outs[0], masters[param])
             assert torch.equal(shard.weights[param], masters[param].bfloat16())
             assert (outs[2] == 0.25).all()
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- auto sizes, the I/O floor
+
+
+@pytest.mark.parametrize("peak_kb, members", [(0, [0, 1, 2, 3, 4, 5]), (45, [1])])
+def test_a_budgeted_device_tier_is_refined_at_the_first_step(tmp_path, monkeypatch, peak_kb,
+                                                             members):
+    """The plan's budget places two subgroups on the device before the first step; the
+    first step's measured peak grows the tier (promotion order: the path's subgroups
+    first, spread) or shrinks it (a subgroup with no path gets one with room), and the
+    states equal torch's AdamW throughout."""
+    from megatron_ext.offload.config import MEMORY_LIMIT_ENV, MEMORY_PEAK_ENV
+
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(60e3 / 1e9))
+    monkeypatch.setenv(MEMORY_PEAK_ENV, f"1:{peak_kb * 1e3 / 1e9}")
+    shard, ref_shard = Shard(torch.bfloat16), Shard(torch.bfloat16)
+    masters, opt = _reference(ref_shard)
+    tier = TierSpec(str(tmp_path / "tier0"), read_gbps=2.0, write_gbps=1.0)
+    (tmp_path / "tier0").mkdir()
+    cfg = OffloadConfig(offload_optimizer=True, offload_paths=[tier.path],
+                        offload_subgroup_size=700, offload_host_cache_gb=3 * SG / 1e9,
+                        offload_device_reserve_gb=2e-6,
+                        # SG counts whole fp32 masters (12 B/element).
+                        store_param_remainders=False)
+    engine = OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"),
+                           tiers=[tier], run_id="test", model_dtype=shard.dtype,
+                           grad_dtype=shard.dtype, device_budget_bytes=2 * SG)
+    try:
+        assert engine.device_members == [1, 4]
+        assert engine.home[1] == engine.home[4] == -1
+        for step in range(3):
+            _step_both(shard, ref_shard, masters, opt, engine, None, None)
+            for w, ref in zip(shard.weights, ref_shard.weights):
+                assert torch.equal(w, ref), f"step {step + 1}: model weights differ"
+        # Room: 60 kB - peak - 2 kB reserve: 58 kB holds all, 13 kB one subgroup.
+        assert sorted(engine.device_members) == sorted(members), engine.device_members
+        for index in range(len(engine.subgroups)):
+            if index not in members:
+                assert engine.home[index] == 0, (index, engine.home)
+        _check_states(engine, masters, opt)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("alternate", [True, False])
+def test_the_io_floor_is_the_bytes_that_must_cross_over_the_measured_bandwidth(tmp_path,
+                                                                              alternate):
+    shard = Shard(torch.bfloat16)
+    # Without rebalancing the placement stays as planned (the floor follows any moves).
+    engine = _engine(tmp_path, shard, 2, {"offload_rebalance": False,
+                                          "offload_alternate_order": alternate,
+                                          # SG counts whole fp32 masters (12 B/element).
+                                          "store_param_remainders": False},
+                     cache_gb=3 * SG / 1e9)
+    try:
+        records = []
+        for _ in range(6):
+            shard.new_grads()
+            engine.step(HPARAMS, None, None)
+            records.append(engine.metrics())
+        # 6 subgroups, 3 cache buffers: with the alternating order 3 miss per step (the
+        # step starts on the 3 the previous one left), without it all 6; each miss is
+        # read once and written once.
+        each_way = engine.tier_plan.path_io_per_step()
+        small = 19 * 12  # the last subgroup's bytes
+        assert sum(each_way) == (3 * SG - (SG - small) / 2 if alternate else 5 * SG + small)
+        for before, record in zip(records[1:], records[2:]):
+            floors = []
+            for i in range(2):
+                half = record[f"offload/path{i}_floor_bytes"] / 2
+                assert half == each_way[i]
+                floors.append(half / (record[f"offload/path{i}_read_gbps"] * 1e9)
+                              + half / (record[f"offload/path{i}_write_gbps"] * 1e9))
+                # The steady state moves what the floor counts (two steps: both orders).
+                moved = record[f"offload/path{i}_bytes"] + before[f"offload/path{i}_bytes"]
+                assert moved == 2 * record[f"offload/path{i}_floor_bytes"]
+            assert record["offload/io_floor_s"] == pytest.approx(max(floors), rel=1e-9)
+            assert record["offload/io_floor_bytes"] == 2 * sum(each_way)
+        assert records[-1]["offload/host_cache_subgroups"] == 3
+        assert records[-1]["offload/host_only_subgroups"] == 0
     finally:
         engine.close()

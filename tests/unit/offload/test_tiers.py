@@ -590,3 +590,47 @@ def test_tier_records():
     assert str(tier_model.Tier(tier_model.TierKind.PATH, 1)) == "path1"
     assert (tier_model.Tier(tier_model.TierKind.PATH, 1)
             == tier_model.Tier(tier_model.TierKind.PATH, 1))
+
+
+# ---------------------------------------------------------------- auto sizes, the I/O floor
+
+
+@pytest.mark.parametrize("available, ranks, reserve, pipeline, budget", [
+    (100, 1, 10, 5, 85),
+    (100, 2, 10, 5, 40),   # the node's ranks share it
+    (100, 4, 0, 30, 0),    # never below 0
+    (100, 0, 0, 0, 100),   # no rank count: one
+])
+def test_host_cache_budget(available, ranks, reserve, pipeline, budget):
+    assert tier_model.host_cache_budget(available, ranks, reserve, pipeline) == budget
+
+
+def test_pipeline_host_bytes():
+    # Two gradient staging buffers and a scratch, 4 bytes per element, and one state buffer.
+    assert tier_model.pipeline_host_bytes(1000, 12_000) == 24_000
+
+
+@pytest.mark.parametrize("free, ranks, reserve, room", [
+    (1000, 1, 100, 900), (1000, 2, 100, 400), (50, 1, 100, 0)])
+def test_path_room(free, ranks, reserve, room):
+    assert tier_model.path_room(free, ranks, reserve) == room
+
+
+@pytest.mark.parametrize("paths, nbytes, cached, alternate, want", [
+    # Six subgroups on two paths; the cache keeps 2 at the end of a step.
+    ([0, 1, 0, 1, 0, 1], [10] * 6, 2, True, [20.0, 20.0]),  # 4 of 6 miss
+    ([0, 1, 0, 1, 0, 1], [10] * 6, 2, False, [30.0, 30.0]),  # all miss
+    ([0, 1, 0, 1, 0, 1], [10] * 6, None, True, [0.0, 0.0]),  # everything cached
+    ([0, 1, 0, 1, 0, 1], [10] * 6, 6, False, [0.0, 0.0]),
+    ([0, 1, 0, 1, 0, 1], [10] * 6, 0, True, [30.0, 30.0]),
+    # The ends differ in size: an ascending step keeps the top, a descending the bottom.
+    ([0, 0, 0, 0], [1, 2, 3, 40], 1, True, [46.0 - (1 + 40) / 2]),
+])
+def test_steady_path_io(paths, nbytes, cached, alternate, want):
+    assert tier_model.steady_path_io(paths, nbytes, cached, alternate, max(paths) + 1) == want
+
+
+def test_io_floor():
+    seconds = tier_model.io_floor([2e9, 1e9, 0.0], [2e9, 0.0, 5e9], [2.0, 1.0, None],
+                                  [1.0, 4.0, None])
+    assert seconds == [1.0 + 2.0, 1.0, 0.0]  # no bandwidth known: nothing to divide by

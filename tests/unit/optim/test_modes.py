@@ -156,7 +156,7 @@ class FakeMode(modes.Mode):
     def enabled(self, cfg):
         return self.on
 
-    def build(self, cfg, model_chunks, runtime):
+    def build(self, cfg, model_chunks, runtime, plan=None):
         return ("built by fake", model_chunks, runtime)
 
     def log_summary(self, record):
