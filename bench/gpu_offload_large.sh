@@ -16,6 +16,10 @@
 #                     streamed GPU update of host subgroups on (GPU_UPDATE=0: off)
 #   host              the old layout: no device tier, CACHE_GB (default 100) pinned + PATHS
 #                     (default the root disk)
+#   auto              --offload-optimizer alone: every size auto (the memory plan's device
+#                     budget, the host cache from MemAvailable, PATHS only if given)
+#   plain             no offload at all (plain megatron-core; the memory plan refuses what
+#                     cannot fit; PLAN_CHECK=0 adds --no-plan-check to meet the OOM itself)
 #   mcore             not this engine: megatron-core's --optimizer-cpu-offload with
 #                     --optimizer-offload-fraction FRACTION (default 1.0) and
 #                     --overlap-cpu-optimizer-d2h-h2d (HybridDeviceOptimizer), for the peer row
@@ -52,6 +56,11 @@ case "$TIERS" in
             --offload-device-reserve-gb "${DEVICE_RESERVE_GB:-4}")
     [ -n "${CACHE_GB:-}" ] && EXTRA+=(--offload-host-cache-gb "$CACHE_GB")
     [ "${GPU_UPDATE:-1}" = 0 ] && EXTRA+=(--no-offload-gpu-update) ;;
+  auto)
+    PATHS="${PATHS:-}" ;;
+  plain)
+    PATHS=""
+    [ "${PLAN_CHECK:-1}" = 0 ] && EXTRA+=(--no-plan-check) ;;
   host)
     PATHS="${PATHS:-$TIER}"
     EXTRA+=(--offload-host-cache-gb "${CACHE_GB:-100}" --no-offload-gpu-update) ;;
@@ -59,10 +68,10 @@ case "$TIERS" in
     PATHS=""
     EXTRA+=(--optimizer-cpu-offload --optimizer-offload-fraction "${FRACTION:-1.0}"
             --overlap-cpu-optimizer-d2h-h2d) ;;
-  *) echo "TIERS must be device, host or mcore"; exit 2 ;;
+  *) echo "TIERS must be device, auto, plain, host or mcore"; exit 2 ;;
 esac
 OFFLOAD=(--offload-optimizer)
-[ "$TIERS" = mcore ] && OFFLOAD=()
+case "$TIERS" in mcore|plain) OFFLOAD=() ;; esac
 if [ -n "$PATHS" ]; then
   mkdir -p "$TIER"
   EXTRA+=(--offload-paths $PATHS --offload-direct-io --offload-io-threads 8)
@@ -104,7 +113,8 @@ for r in rows[1:]:
     fb = sum(r.get(k, 0.0) for k in ("time/forward_s", "time/backward_s"))
     keys = {k: r[k] for k in r if k.startswith(("offload/device", "offload/stream",
                                                   "offload/update", "offload/stall",
-                                                  "memory/"))}
+                                                  "offload/io_floor", "offload/roofline",
+                                                  "offload/host_cache", "memory/"))}
     print("iteration", r.get("iteration"), "step s", step, "fwd+bwd s", round(fb, 3),
           "ratio", round(step / fb, 3) if step and fb else None, keys)
 EOF

@@ -90,12 +90,19 @@ def test_auto_sizes_split_the_states_between_host_and_paths(tmp_path, baseline):
     assert sum(steady) / len(steady) == pytest.approx(last["offload/io_floor_bytes"], rel=0.1)
 
 
-def test_auto_host_without_paths_that_cannot_hold_the_states_is_one_line(tmp_path):
-    result = run_pretrain([*BASE, *AUTO], env=machine(11), check=False)
+@pytest.mark.parametrize("plan_check", [True, False], ids=["plan", "engine"])
+def test_auto_host_without_paths_that_cannot_hold_the_states_is_one_line(tmp_path, plan_check):
+    """The memory plan refuses it before anything is built (it sizes the host as the engine
+    does); with --no-plan-check the engine's own check says it, in one line too."""
+    extra = [] if plan_check else ["--no-plan-check"]
+    result = run_pretrain([*BASE, *AUTO, *extra], env=machine(11), check=False)
     assert result.returncode != 0
     errors = [s for s in result.stdout.splitlines() if s.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in result.stdout, result.stdout[-3000:]
-    assert errors[0].startswith("error: host memory holds 11 of the 12 subgroups of rank 0")
+    if plan_check:
+        assert errors[0].startswith("error: memory plan: the optimizer states need "), errors
+    else:
+        assert errors[0].startswith("error: host memory holds 11 of the 12 subgroups of rank 0")
     assert "add --offload-paths DIR" in errors[0]
 
 

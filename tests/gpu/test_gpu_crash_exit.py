@@ -19,9 +19,26 @@ from mext_testing import BF16, GPU_TINY, PRETRAIN, ROOT, test_env
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
 
-HUGE = [*GPU_TINY, *BF16, "--num-workers", "2", "--seq-length", "32768",
-        "--max-position-embeddings", "32768", "--micro-batch-size", "64",
-        "--global-batch-size", "64", "--attention-backend", "unfused", "--train-iters", "2"]
+PLANNED = [*GPU_TINY, *BF16, "--num-workers", "2", "--seq-length", "32768",
+           "--max-position-embeddings", "32768", "--micro-batch-size", "64",
+           "--global-batch-size", "64", "--attention-backend", "unfused", "--train-iters", "2"]
+# The memory plan refuses PLANNED before the start (below); --no-plan-check meets the CUDA
+# out-of-memory itself.
+HUGE = [*PLANNED, "--no-plan-check"]
+
+
+def test_the_memory_plan_refuses_it_before_the_start():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, PRETRAIN, *PLANNED], cwd=ROOT, env=test_env(),
+                          capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, out[-4000:]
+    assert len(errors) == 1 and "Traceback" not in out, out[-4000:]
+    assert errors[0].startswith("error: memory plan: the run needs "), errors[0]
+    assert "GB free: " in errors[0] and "--recompute-granularity full" in errors[0]
+    assert elapsed < 120, elapsed
 
 
 def test_cuda_out_of_memory_is_one_line_and_exits():
