@@ -23,7 +23,7 @@ from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
 from megatron_ext.runtime.batch_schedule import BatchRamp
-from megatron_ext.runtime.quiet import quiet_optional_dependencies
+from megatron_ext.runtime.quiet import quiet_cuda_advice, quiet_optional_dependencies
 from megatron_ext.runtime.signals import ExitSignalHandler
 from megatron_ext.runtime.to_host import ToHost
 from megatron_ext.training.metrics import (
@@ -557,6 +557,8 @@ def pretrain(cfg) -> int:
 
     quiet_optional_dependencies()
     trainer = Trainer(cfg)
+    if trainer.runtime.is_cpu:
+        quiet_cuda_advice()
     if cfg.training.manual_gc:
         # Collections at fixed points only, so that ranks pause together (Megatron-LM).
         gc.disable()
