@@ -68,7 +68,14 @@ from _common import (
     run_tool,
     temporary_path,
 )
-from _documents import TEXT_DOCUMENTS, decode_text, input_format, iter_text_documents, open_input
+from _documents import (
+    TEXT_DOCUMENTS,
+    decode_text,
+    iter_text_documents,
+    malformed_hint,
+    open_input,
+    resolve_inputs,
+)
 
 from megatron_ext.data.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
@@ -613,56 +620,13 @@ def _report_malformed(result: ChunkResult, paths: Sequence[str], on_error: str,
     if on_error == "fail":
         line_number, message = result.errors[0]
         raise ToolError(f"{path}:{line_number}: {message}; "
-                        f"{_malformed_hint(line_number, message, formats, result.file_index)}")
+                        f"{malformed_hint(line_number, message, formats, result.file_index)}")
     for index, (line_number, message) in enumerate(result.errors):
         shown = skipped_so_far + index
         if shown < MAX_PRINTED_WARNINGS:
             log(f"warning: {path}:{line_number}: {message}; skipping the line")
         elif shown == MAX_PRINTED_WARNINGS:
             log("warning: more malformed lines; only counting them from now on")
-
-
-def _malformed_hint(line_number: int, message: str, formats: Optional[Sequence[str]],
-                    file_index: int) -> str:
-    """How to fix a malformed line. Pure.
-
-    A jsonl file whose first line is not JSON at all is most likely plain text, where
-    ``--on-error skip`` would leave out every line: the hint then names --input-format text.
-    """
-    if formats is not None and formats[file_index] == "text":
-        return "fix the file, or pass --on-error skip to leave such documents out"
-    if line_number == 1 and message.startswith("invalid JSON"):
-        return ("if the file is plain text, not jsonl, pass --input-format text (one "
-                "document per line; see --text-documents)")
-    return "fix the line, or pass --on-error skip to leave malformed lines out"
-
-
-def resolve_inputs(args, paths: Sequence[str]) -> List[str]:
-    """Each input's format (``jsonl`` or ``text``); settles ``args.json_keys`` and
-    ``args.text_documents`` for them.
-
-    Raises:
-        ToolError: --json-keys with plain text, or --text-documents without it.
-    """
-    formats = [input_format(path, args.input_format) for path in paths]
-    text = [path for path, fmt in zip(paths, formats) if fmt == "text"]
-    if text and args.json_keys not in (None, ["text"]):
-        raise ToolError(f"--json-keys {' '.join(args.json_keys)}: {text[0]} is plain text, "
-                        "which has no keys (its documents are written as key text); drop "
-                        "--json-keys, or give --input-format jsonl if it is jsonl")
-    if not text and args.text_documents is not None:
-        raise ToolError(f"--text-documents {args.text_documents} cuts plain text, and every "
-                        "--input is jsonl by its name; drop the flag, or give "
-                        "--input-format text")
-    args.json_keys = args.json_keys or ["text"]
-    args.text_documents = args.text_documents or "lines"
-    if text:
-        what = {"lines": "one document per non-empty line",
-                "blocks": "one document per block of lines between blank lines",
-                "file": "one document per file"}[args.text_documents]
-        log(f"reading {len(text)} plain-text file(s), {what} (--text-documents "
-            f"{args.text_documents})")
-    return formats
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -18,9 +18,9 @@ import preprocess_data
 import pytest
 import sentencepiece
 import train_tokenizer
-from _documents import decode_text, input_format, iter_text_documents
+from _documents import decode_text, input_format, iter_text_documents, malformed_hint
 from model_testlib import assert_ok, assert_usage_error, call_tool
-from preprocess_data import _malformed_hint, iter_chunks
+from preprocess_data import iter_chunks
 
 EOD = 2  # </s> of the models tools/train_tokenizer.py writes
 
@@ -165,5 +165,5 @@ def test_flags_that_do_not_fit_the_input(tmp_path, tiny_tokenizer, name, flags, 
     (1, 'missing key "text"', ["jsonl"], "--on-error skip to leave malformed lines out"),
     (1, "not valid UTF-8 text", ["text"], "--on-error skip to leave such documents out"),
 ])
-def test_malformed_hint(line, message, formats, hint):
-    assert hint in _malformed_hint(line, message, formats, 0)
+def testmalformed_hint(line, message, formats, hint):
+    assert hint in malformed_hint(line, message, formats, 0)
