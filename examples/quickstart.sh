@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quickstart: ONE command from a fresh clone, on a machine with or without a GPU.
 #   bash examples/quickstart.sh
-# 1. creates .venv and installs requirements.txt (skipped when already installed, and
+# 1. creates .venv and installs requirements.txt and requirements-test.txt into it, so that
+#    the README's test command runs in it afterwards (skipped when already installed, and
 #    skipped altogether when $PYTHON already has the pinned packages, e.g. in CI's venv),
 # 2. builds a real corpus that ships with every Python installation (the standard
 #    library's source text) with tools/build_corpus.py,
@@ -10,8 +11,11 @@
 #    optimizer states offloaded to a host cache and files under $WORK/offload, printing the
 #    iteration breakdown, saving checkpoints, metrics JSONL and an offline wandb run,
 # 6. plots the metrics to breakdown.png with tools/plot_breakdown.py,
-# 7. samples a continuation from the trained model (tools/generate.py) and exports it to
-#    Hugging Face transformers format in $WORK/hf (tools/convert_checkpoint.py --to hf).
+# 7. samples a continuation of a Python prompt from the trained model (tools/generate.py)
+#    into $WORK/sample.txt and exports the model to Hugging Face transformers format in
+#    $WORK/hf (tools/convert_checkpoint.py --to hf).
+# Running it again reuses the corpus, tokenizer and data and resumes from the latest
+# checkpoint; with a larger QUICKSTART_ITERS it trains on to the new count.
 # Knobs (environment): QUICKSTART_DIR (default runs/quickstart), QUICKSTART_ITERS (150),
 # QUICKSTART_DOCS (1500 documents), PYTHON (python3).
 set -euo pipefail
@@ -20,15 +24,19 @@ WORK="${QUICKSTART_DIR:-runs/quickstart}"
 ITERS="${QUICKSTART_ITERS:-150}"
 DOCS="${QUICKSTART_DOCS:-1500}"
 PY="${PYTHON:-python3}"
-step() { printf '\n== %s\n' "$*"; }
+# Each step's header carries the time since the start (bash's SECONDS), so a run shows
+# where its minutes went.
+step() { printf '\n== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
-# True when python "$1" already has every pinned package of requirements.txt at its pinned
-# version (as when the test suite runs this script inside the venv CI built from it), so
-# nothing needs installing. Reads the installed packages' metadata without importing
-# them (importing torch and megatron-core takes seconds); a local build tag such as
-# torch's +cu130 does not count as a different version.
+# True when python "$1" already has every pinned package of the requirement files "$2"...
+# at its pinned version (as when the test suite runs this script inside the venv CI built
+# from them), so nothing needs installing. Reads the installed packages' metadata without
+# importing them (importing torch and megatron-core takes seconds); a local build tag such
+# as torch's +cu130 does not count as a different version.
 has_requirements() {
-  "$1" - <<'PYCHECK' 2>/dev/null
+  local python="$1"
+  shift
+  "$python" - "$@" 2>/dev/null <<'PYCHECK'
 import importlib.metadata as md
 import sys
 
@@ -38,12 +46,12 @@ def installed(name):
     except md.PackageNotFoundError:
         return None
 
-pins = [line.split("#")[0].strip().split("==") for line in open("requirements.txt")]
+pins = [line.split("#")[0].strip().split("==") for path in sys.argv[1:] for line in open(path)]
 sys.exit(0 if all(installed(p[0]) == p[1] for p in pins if len(p) == 2) else 1)
 PYCHECK
 }
-
-if has_requirements "$PY"; then
+ACTIVATE=""
+if has_requirements "$PY" requirements.txt; then
   step "environment: $("$PY" -c 'import sys; print(sys.executable)') already has the requirements"
 else
   step "environment (.venv)"
@@ -51,11 +59,13 @@ else
   # shellcheck disable=SC1091
   . .venv/bin/activate
   PY=python
-  stamp=".venv/.requirements-$(sha1sum requirements.txt | cut -c1-12)"
-  if [ ! -f "$stamp" ]; then
+  ACTIVATE=". .venv/bin/activate && "
+  # The test requirements (pytest, pytest-xdist: small) go in too, so that the README's test
+  # command works in this venv right after the quickstart. A venv that already has both
+  # (e.g. made by the README's test command first) installs nothing.
+  if ! has_requirements "$PY" requirements.txt requirements-test.txt; then
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q -r requirements.txt
-    touch "$stamp"
+    "$PY" -m pip install -q -r requirements.txt -r requirements-test.txt
   fi
 fi
 mkdir -p "$WORK"
@@ -89,8 +99,16 @@ DATA=(--data-path "$WORK/stdlib_text_document" --split 98,2,0
 mkdir -p "$WORK/offload"
 OFFLOAD=(--offload-optimizer --offload-paths "$WORK/offload" --offload-subgroup-size 1000000
          --offload-host-cache-gb 0.036)
-OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --save-interval 50
-        --log-interval 10 --eval-interval 50 --eval-iters 4 --num-workers 0
+# Run again with a larger QUICKSTART_ITERS, the script resumes and trains on to the new count.
+# The cosine schedule's length is --train-iters, so the checkpoint's schedule then differs
+# from the flags' and a resume would be refused; --override-opt_param-scheduler (Megatron-LM's
+# flag) takes the flags' schedule: from the resumed iteration on, the learning rate follows
+# the cosine of the new length, as if the run had been started for it (a small step up from
+# --min-lr, instead of staying at --min-lr as --use-checkpoint-opt_param-scheduler would).
+# With an unchanged QUICKSTART_ITERS the two schedules are the same and the flag changes
+# nothing; on a first run there is no checkpoint to override.
+OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --override-opt_param-scheduler
+        --save-interval 50 --log-interval 10 --eval-interval 50 --eval-iters 4 --num-workers 0
         --metrics-path "$WORK/metrics.jsonl" --wandb-project megatron_ext-quickstart
         --wandb-exp-name quickstart --wandb-save-dir "$WORK" --wandb-mode offline)
 "$PY" pretrain_gpt.py "${MODEL[@]}" "${TRAIN[@]}" "${OFFLOAD[@]}" "${DATA[@]}" "${OUTPUT[@]}"
@@ -98,11 +116,17 @@ OUTPUT=(--save "$WORK/checkpoints" --load "$WORK/checkpoints" --save-interval 50
 step "plot of the iteration breakdown"
 "$PY" tools/plot_breakdown.py "$WORK/metrics.jsonl" --output "$WORK/breakdown.png" \
     --title "quickstart: 4-layer GPT on the Python standard library"
-step "sampling from the trained model (tools/generate.py, greedy)"
-"$PY" tools/generate.py --load "$WORK/checkpoints" --prompt "import os
-import sys
-
-def " --max-new-tokens 48 --greedy | tee "$WORK/sample.txt"
+# A prompt in the corpus's language (Python source), ending where a token ends: a prompt
+# that ends in a space ends on a lone space piece, which the tokenizer almost never produces
+# there, and the model continues it with garbage. Greedy decoding of a model this small loops
+# on one line; top-k sampling at a lower temperature reads like the corpus, and the seed
+# fixes the draw.
+step "sampling from the trained model (tools/generate.py, top-k 20, temperature 0.7)"
+PROMPT=$'import os\nimport sys\n\n\ndef main():\n'
+# generate.py prints the continuation alone; the sample is the prompt and its continuation.
+CONTINUATION=$("$PY" tools/generate.py --load "$WORK/checkpoints" --prompt "$PROMPT" \
+    --max-new-tokens 64 --top-k 20 --temperature 0.7 --seed 1)
+printf '%s%s\n' "$PROMPT" "$CONTINUATION" | tee "$WORK/sample.txt"
 
 step "export to Hugging Face transformers (tools/convert_checkpoint.py --to hf)"
 rm -rf "$WORK/hf"
@@ -111,3 +135,6 @@ step "done"
 echo "checkpoints: $WORK/checkpoints   metrics: $WORK/metrics.jsonl   wandb: $WORK/wandb"
 echo "plot: $WORK/breakdown.png"
 echo "sample: $WORK/sample.txt   Hugging Face model: $WORK/hf (transformers.AutoModelForCausalLM)"
+if has_requirements "$PY" requirements-test.txt; then
+  echo "tests: ${ACTIVATE}python -m pytest -q -n 2 --dist loadgroup"
+fi

@@ -95,6 +95,19 @@ def sampling_settings(args) -> dict:
             "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
 
 
+def trailing_space_note(prompt: str) -> Optional[str]:
+    """A note when ``prompt`` ends in a space or tab, else None.
+
+    Subword tokenizers (SentencePiece, GPT-2's BPE) attach a space to the word after it, so
+    a prompt ending in one ends on a lone space token that training text almost never has
+    there; a small model then continues with something unrelated (a digit, blank lines).
+    """
+    if prompt[-1:] not in (" ", "\t"):
+        return None
+    return ("note: the prompt ends in whitespace, which the tokenizer keeps as a token of its "
+            "own; the continuation usually reads better when the prompt ends before it")
+
+
 def next_token(logits, greedy: bool, temperature: float, top_k: int, top_p: float, generator):
     """One token id from the logits of the last position ([vocab], fp32)."""
     import torch
@@ -174,6 +187,9 @@ def _run(args, settings: dict) -> None:
         raise ToolError("--prompt is empty after tokenization")
     log(f"generate: {path} on {runtime.device.type}, prompt of {len(prompt_ids)} tokens, "
         f"{'greedy' if settings['greedy'] else 'sampling'}")
+    note = trailing_space_note(args.prompt)
+    if note:
+        log(note)
     new = generate(model, prompt_ids, args.max_new_tokens, vocab,
                    cfg.model.max_position_embeddings, runtime.device,
                    tokenizer.eod if args.stop_at_eod else None, settings, args.seed)

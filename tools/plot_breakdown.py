@@ -8,9 +8,10 @@ Panels, top to bottom, sharing the iteration axis:
 * ``loss``: the training ``lm_loss`` and, when the run evaluated, ``eval/lm_loss``;
 * ``throughput``: tokens/s; ``memory``: the memory fields (``memory/*_gib``: host RSS,
   and on a GPU the peak allocated and reserved memory);
-* for the fields of an optional feature (``offload/...``, ``zenflow/...``), only when the
-  file has them, one panel per kind of field, found by the unit in the name: ``<p>/time``
-  (``*_s``, stacked: phases of the iteration that add up), ``<p>/background``
+* for the fields of an optional feature (any prefix other than ``time/``, ``throughput/``,
+  ``memory/`` and ``eval/``: ``offload/...``, ``zenflow/...``, read from the records), only
+  when the file has them, one panel per kind of field, found by the unit in the name:
+  ``<p>/time`` (``*_s``, stacked: phases of the iteration that add up), ``<p>/background``
   (``*_bg_s``, lines: busy time of threads that run alongside, e.g. the offload engine's
   I/O, which must not be stacked onto the phases), ``<p>/ratio`` (``*_rate``,
   ``*_ratio``, ``*_fraction`` or fields whose values all lie in [0, 1]),
@@ -18,7 +19,10 @@ Panels, top to bottom, sharing the iteration axis:
   ``<p>/bytes`` (``*_bytes``: bytes moved per iteration, on an axis in B, KB, MB or GB
   as their size asks) and ``<p>/values`` (anything else: counts and plain numbers such as
   subgroups per path or ZenFlow's S, never on the axis of the bytes). New fields of those
-  features therefore show up without changing this tool.
+  features therefore show up without changing this tool. On a run without GPU (no
+  ``memory/gpu_*`` field), a feature field that is 0 in every record (its device tier, its
+  streamed updates) is not drawn: a line at the bottom of the figure names those fields,
+  and a panel left without fields is not drawn.
 
 Each training record is the mean over its logging interval, so with ``--log-interval N``
 a bar spans the N iterations it averages. When a resumed run appended iterations that the
@@ -40,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -61,8 +66,13 @@ ITERATION_TIME = "time/iteration_s"
 TRAIN_LOSS, EVAL_LOSS = "lm_loss", "eval/lm_loss"
 TOKENS_PER_S = "throughput/tokens_per_s"
 MEMORY_PREFIX, MEMORY_SUFFIX = "memory/", "_gib"
-# Features whose fields get panels only when present; each prefix is one feature.
-FEATURE_PREFIXES = ("offload/", "zenflow/")
+# The core fields' prefixes; any other "<name>/" prefix of a training record's fields is
+# an optional feature's (offload/, zenflow/, ...), read from the records, with panels of its
+# own only when the file has its fields.
+CORE_PREFIXES = ("time/", "throughput/", "memory/", "eval/")
+# pretrain_gpt.py records the GPU's memory (memory/gpu_max_allocated_gib, ...) only on a
+# GPU: a run without such a field ran on the CPU.
+GPU_MEMORY_PREFIX = "memory/gpu_"
 
 # Kinds of feature fields by name suffix, the first match wins (so "_per_s" before "_s").
 # Ratios are also recognised by their values (see classify_field).
@@ -225,9 +235,45 @@ def feature_label(key: str, prefix: str, kind: str) -> str:
     return label.replace("_", " ")
 
 
-def feature_panels(train: Sequence[dict], prefix: str) -> List[Panel]:
-    """The panels of one feature's fields (``offload/...``): none when it has none."""
-    keys = sorted({k for r in train for k in r if k.startswith(prefix)})
+def feature_prefixes(train: Sequence[dict]) -> List[str]:
+    """The optional features' prefixes (``offload/``, ``zenflow/``) among the records' fields.
+
+    >>> feature_prefixes([{"iteration": 1, "time/forward_s": 1.0, "zenflow/rho": 0.1,
+    ...                    "offload/path/nvme/read_gbps": 2.0, "lm_loss": 3.0}])
+    ['offload/', 'zenflow/']
+    """
+    prefixes = {key.split("/", 1)[0] + "/" for r in train for key in r if "/" in key}
+    return sorted(p for p in prefixes if p not in CORE_PREFIXES)
+
+
+def ran_on_cpu(train: Sequence[dict]) -> bool:
+    """Whether the records are of a run without GPU (no ``memory/gpu_*`` field)."""
+    return not any(key.startswith(GPU_MEMORY_PREFIX) for r in train for key in r)
+
+
+def left_out_fields(train: Sequence[dict]) -> List[str]:
+    """The feature fields not drawn because they say nothing: on a CPU run, those that are
+    0 in every record (the GPU's share of a feature: its device tier, its streamed updates),
+    which would otherwise be drawn as flat zeros. A GPU run keeps every field."""
+    if not ran_on_cpu(train):
+        return []
+    left_out = []
+    for prefix in feature_prefixes(train):
+        for key in sorted({k for r in train for k in r if k.startswith(prefix)}):
+            finite = [v for v in column(train, key) if math.isfinite(v)]
+            if finite and all(v == 0.0 for v in finite):
+                left_out.append(key)
+    return left_out
+
+
+def feature_panels(train: Sequence[dict], prefix: str,
+                   left_out: Sequence[str] = ()) -> List[Panel]:
+    """The panels of one feature's fields (``offload/...``): none when it has none.
+
+    Fields in ``left_out`` (see :func:`left_out_fields`) are not drawn; a panel left with
+    no field is not drawn either.
+    """
+    keys = sorted({k for r in train for k in r if k.startswith(prefix)} - set(left_out))
     groups: Dict[str, List[Series]] = {}
     for key in keys:
         values = column(train, key)
@@ -283,8 +329,9 @@ def plan_panels(train: Sequence[dict], evals: Sequence[dict]) -> List[Panel]:
               for k in memory_keys if has_field(train, k)]
     if memory:
         panels.append(Panel("memory", "memory", "lines", "GiB", memory, from_zero=True))
-    for prefix in FEATURE_PREFIXES:
-        panels.extend(feature_panels(train, prefix))
+    left_out = left_out_fields(train)
+    for prefix in feature_prefixes(train):
+        panels.extend(feature_panels(train, prefix, left_out))
     return panels
 
 
@@ -472,6 +519,9 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
     first, last = train[0]["iteration"], train[-1]["iteration"]
     fig.suptitle(title or f"{len(train)} logged iterations ({first}-{last}), "
                  f"{len(evals)} evaluations", fontsize=12)
+    note = left_out_note(left_out_fields(train))
+    if note:
+        fig.supxlabel(note, fontsize=8, color="0.35")
 
     ensure_parent_dir(output)
     tmp = temporary_path(output)
@@ -483,6 +533,22 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
     finally:
         remove_quietly([tmp])
     return [panel.name for panel in panels]
+
+
+def left_out_note(left_out: Sequence[str]) -> Optional[str]:
+    """The figure's line saying which fields a CPU run's plot leaves out, or None.
+
+    >>> left_out_note(["offload/device_update_s", "offload/stream_issue_s"])
+    'no GPU in this run: not drawn, 0 in every record: offload: device_update_s, stream_issue_s'
+    """
+    if not left_out:
+        return None
+    groups: Dict[str, List[str]] = {}
+    for key in left_out:
+        prefix, rest = key.split("/", 1)
+        groups.setdefault(prefix, []).append(rest)
+    fields = "; ".join(f"{prefix}: {', '.join(rest)}" for prefix, rest in groups.items())
+    return textwrap.fill(f"no GPU in this run: not drawn, 0 in every record: {fields}", 160)
 
 
 # ------------------------------------------------------------------------ command line
@@ -509,6 +575,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "records has lm_loss or time/iteration_s)")
     panels = plot(records, args.output, title=args.title)
     log(f"plot_breakdown: panels {', '.join(panels)}")
+    note = left_out_note(left_out_fields(split_records(records)[0]))
+    if note:
+        log(f"plot_breakdown: {' '.join(note.split())}")
     print(args.output, flush=True)
 
 

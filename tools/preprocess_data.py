@@ -1,4 +1,4 @@
-"""Tokenizes jsonl documents into megatron-core's indexed dataset format (.bin/.idx).
+"""Tokenizes jsonl or plain-text documents into megatron-core's indexed dataset format (.bin/.idx).
 
 Flags and output names follow Megatron-LM's ``tools/preprocess_data.py``: for each json
 key K the output is ``{output_prefix}_{K}_document.bin`` and ``.idx``, which
@@ -9,6 +9,12 @@ is one sequence; an array of strings is the document's sentences, one sequence e
 ones left out), the EOD after the last; a document with no token (an empty text or array)
 is a document of no sequence, without EOD. ``--partitions N`` orders the documents as
 Megatron-LM's N partitions merged (line i of the inputs in partition i mod N).
+
+Plain UTF-8 text (names other than .jsonl/.json/.ndjson, or ``--input-format text``), the
+files ``tools/train_tokenizer.py`` also takes, is cut into documents by
+``--text-documents``: one per non-empty line (the default), one per block of lines between
+blank lines, or one per file; the documents go to ``{output_prefix}_text_document``, as the
+jsonl key ``text`` would.
 
 How the work is split: the main process reads the input in chunks of lines and hands them
 to a pool of worker processes; each worker parses JSON and tokenizes a whole chunk and
@@ -40,7 +46,6 @@ import collections
 import contextlib
 import errno
 import glob
-import gzip
 import itertools
 import os
 import signal
@@ -65,6 +70,14 @@ from _common import (
     remove_quietly,
     run_tool,
     temporary_path,
+)
+from _documents import (
+    TEXT_DOCUMENTS,
+    decode_text,
+    iter_text_documents,
+    malformed_hint,
+    open_input,
+    resolve_inputs,
 )
 
 from megatron_ext.data.tokenizer import (  # noqa: E402
@@ -99,14 +112,21 @@ ORPHAN_CHECK_INTERVAL_S = 1.0
 
 @dataclass(frozen=True)
 class Chunk:
-    """Consecutive lines of one input file: the unit of work sent to a worker."""
+    """Consecutive lines (or plain-text documents) of one input file: the unit of work sent
+    to a worker."""
 
     file_index: int
     first_line: int  # 1-based line number of lines[0]
     lines: List[bytes]
     stride: int = 1  # lines[k] is line first_line + k * stride (--partitions)
+    # Plain text: each of ``lines`` is a document's UTF-8 text, not a JSON object, and
+    # ``numbers[k]`` is the line where document k starts.
+    text: bool = False
+    numbers: Optional[Tuple[int, ...]] = None
 
     def line_number(self, offset: int) -> int:
+        if self.numbers is not None:
+            return self.numbers[offset]
         return self.first_line + offset * self.stride
 
 
@@ -136,7 +156,8 @@ def encode_chunk(tokenizer, chunk: Chunk, keys: Sequence[str],
 
     Args:
         tokenizer: a :mod:`megatron_ext.data.tokenizer` tokenizer (``tokenize_batch``).
-        chunk: the lines to process.
+        chunk: the lines to process (or plain-text documents: each is the value of every
+            key, which is ``text`` then).
         keys: the json keys to tokenize, each one a separate output dataset.
         eod_id: appended to every document that has a token when not ``None``
             (``--append-eod``).
@@ -151,7 +172,11 @@ def encode_chunk(tokenizer, chunk: Chunk, keys: Sequence[str],
                          sum(len(line) for line in chunk.lines))
     records: List[Tuple[int, dict]] = []
     for offset, raw in enumerate(chunk.lines):
-        parsed = parse_json_line(raw, keys, allow_lists=True)
+        if chunk.text:
+            text = decode_text(raw)
+            parsed = text[0] if isinstance(text, tuple) else {key: text for key in keys}
+        else:
+            parsed = parse_json_line(raw, keys, allow_lists=True)
         if isinstance(parsed, str):
             result.errors.append((chunk.line_number(offset), parsed))
         else:
@@ -215,42 +240,50 @@ def _tokenize_records(tokenizer, records: List[Tuple[int, dict]], keys: Sequence
     return out
 
 
-def _open_input(path: str):
-    """The input as a binary stream; ``.gz`` files are read through gzip."""
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
 def iter_chunks(paths: Sequence[str], chunk_lines: int,
                 chunk_bytes: int = CHUNK_MAX_BYTES, partitions: int = 1,
-                partition: int = 0) -> Iterator[Chunk]:
+                partition: int = 0, formats: Optional[Sequence[str]] = None,
+                text_documents: str = "lines") -> Iterator[Chunk]:
     """Reads ``paths`` in order and cuts them into chunks of whole lines.
 
     Lines are kept as bytes: workers decode them, so the main process does no per-line
     work besides splitting at b"\\n". A chunk never spans two files, so its line numbers
     are that file's. With ``partitions`` > 1 only the lines of Megatron-LM's partition
     ``partition`` are read: line i of all the inputs together (from 0) when i mod
-    ``partitions`` is ``partition``.
+    ``partitions`` is ``partition``. A file whose entry of ``formats`` is ``text`` is read
+    as plain-text documents cut by ``text_documents`` (see
+    :func:`_documents.iter_text_documents`), each taking the place of a line, for the
+    partitions too.
     """
-    index = 0  # the line's position in all the inputs together
+    index = 0  # the line's (or document's) position in all the inputs together
     for file_index, path in enumerate(paths):
+        text = formats is not None and formats[file_index] == "text"
         lines: List[bytes] = []
+        numbers: List[int] = []
         size = 0
-        first_line = 1
-        with _open_input(path) as stream:
-            for line_number, raw in enumerate(stream, start=1):
+        with open_input(path) as stream:
+            units = (iter_text_documents(stream, text_documents) if text
+                     else enumerate(stream, start=1))
+            for line_number, raw in units:
                 mine = index % partitions == partition
                 index += 1
                 if not mine:
                     continue
-                if not lines:
-                    first_line = line_number
                 lines.append(raw)
+                numbers.append(line_number)
                 size += len(raw)
                 if len(lines) >= chunk_lines or size >= chunk_bytes:
-                    yield Chunk(file_index, first_line, lines, partitions)
-                    lines, size = [], 0
+                    yield _chunk(file_index, lines, numbers, partitions, text)
+                    lines, numbers, size = [], [], 0
         if lines:
-            yield Chunk(file_index, first_line, lines, partitions)
+            yield _chunk(file_index, lines, numbers, partitions, text)
+
+
+def _chunk(file_index: int, lines: List[bytes], numbers: List[int], stride: int,
+           text: bool) -> Chunk:
+    if text:  # documents start at irregular lines: their numbers are kept
+        return Chunk(file_index, numbers[0], lines, text=True, numbers=tuple(numbers))
+    return Chunk(file_index, numbers[0], lines, stride)
 
 
 # Worker-process state, set once per worker by _init_worker: loading the model per chunk
@@ -460,22 +493,34 @@ def build_parser() -> ToolArgumentParser:
     """The command-line parser; --help describes every flag."""
     parser = ToolArgumentParser(
         prog="tools/preprocess_data.py",
-        description="Tokenize jsonl documents into megatron-core .bin/.idx files "
-                    "(Megatron-LM's preprocess_data.py flags and file names).",
+        description="Tokenize jsonl or plain-text documents into megatron-core .bin/.idx "
+                    "files (Megatron-LM's preprocess_data.py flags and file names).",
     )
     group = parser.add_argument_group("input")
     group.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                       help="jsonl files, one JSON object per line; globs such as "
-                            "'data/*.jsonl' are expanded in sorted order. All inputs go into "
-                            "one dataset, in the order given")
-    group.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                       help="jsonl files (one JSON object per line) or plain UTF-8 text files, "
+                            "optionally .gz; globs such as 'data/*.jsonl' are expanded in "
+                            "sorted order. All inputs go into one dataset, in the order given")
+    group.add_argument("--input-format", choices=["auto", "jsonl", "text"], default="auto",
+                       help="how to read --input, as tools/train_tokenizer.py does; auto: "
+                            "jsonl for names ending in .jsonl, .json or .ndjson (before a "
+                            ".gz), plain text otherwise (default: %(default)s)")
+    group.add_argument("--text-documents", choices=TEXT_DOCUMENTS, default=None,
+                       help="how plain text is cut into documents (each ends with the EOD "
+                            "under --append-eod): lines: one per non-empty line; blocks: one "
+                            "per run of lines between blank lines; file: the whole file. "
+                            "Written to {output-prefix}_text_document (default: lines; "
+                            "only with plain-text input)")
+    group.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
                        help="keys to tokenize; each key becomes its own dataset "
-                            "{output-prefix}_{KEY}_document (default: %(default)s)")
+                            "{output-prefix}_{KEY}_document (default: text; jsonl input only: "
+                            "plain text is the one dataset of key text)")
     group.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                        help="a malformed line (invalid JSON, missing key, value neither a "
-                            "string nor an array of strings, text the tokenizer cannot "
-                            "encode): fail stops with its file:line and writes nothing; skip "
-                            "warns, leaves the line out and counts it (default: %(default)s)")
+                            "string nor an array of strings, plain text that is not UTF-8, "
+                            "text the tokenizer cannot encode): fail stops with its file:line "
+                            "and writes nothing; skip warns, leaves the line (or plain-text "
+                            "document) out and counts it (default: %(default)s)")
     group.add_argument("--split-sentences", action="store_true",
                        help="Megatron-LM's NLTK sentence splitting: refused here (Megatron-LM "
                             "downloads NLTK's punkt model when it starts, and nothing is "
@@ -580,13 +625,13 @@ def build_parser() -> ToolArgumentParser:
 
 
 def _report_malformed(result: ChunkResult, paths: Sequence[str], on_error: str,
-                      skipped_so_far: int) -> None:
+                      skipped_so_far: int, formats: Optional[Sequence[str]] = None) -> None:
     """Raises on the chunk's first malformed line, or warns about the lines it skips."""
     path = paths[result.file_index]
     if on_error == "fail":
         line_number, message = result.errors[0]
-        raise ToolError(f"{path}:{line_number}: {message}; fix the line, or pass "
-                        "--on-error skip to leave malformed lines out")
+        raise ToolError(f"{path}:{line_number}: {message}; "
+                        f"{malformed_hint(line_number, message, formats, result.file_index)}")
     for index, (line_number, message) in enumerate(result.errors):
         shown = skipped_so_far + index
         if shown < MAX_PRINTED_WARNINGS:
@@ -607,9 +652,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "punkt model, which it downloads at start-up, and nothing is "
                         "downloaded here; give each document's sentences as a JSON array "
                         "(each becomes its own sequence, as Megatron-LM does) and drop the flag")
-    if len(set(args.json_keys)) != len(args.json_keys):
+    if args.json_keys and len(set(args.json_keys)) != len(args.json_keys):
         raise ToolError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
     paths = expand_inputs(args.input)
+    formats = resolve_inputs(args, paths)
     tokenizer_args = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
     tokenizer = load_tokenizer(tokenizer_args)
     note = training_difference(tokenizer, tokenizer_args)
@@ -637,7 +683,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def write(result: ChunkResult) -> None:
         nonlocal malformed
         if result.errors:
-            _report_malformed(result, paths, args.on_error, malformed)
+            _report_malformed(result, paths, args.on_error, malformed, formats)
             malformed += len(result.errors)
         writer.add(result)
         for key in args.json_keys:
@@ -658,7 +704,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         partitions = 1 if args.keep_sequential_samples else args.partitions
         chunks = itertools.chain.from_iterable(
-            iter_chunks(paths, args.chunk_lines, partitions=partitions, partition=p)
+            iter_chunks(paths, args.chunk_lines, partitions=partitions, partition=p,
+                        formats=formats, text_documents=args.text_documents)
             for p in range(partitions))
         for chunk in chunks:
             pending.append(executor.submit(_encode_chunk_in_worker, chunk))

@@ -48,6 +48,7 @@ from _common import (
     run_tool,
     temporary_path,
 )
+from _documents import input_format, open_input
 
 # The special pieces and their ids; tools/preprocess_data.py and the trainer rely on
 # </s> being the EOD id.
@@ -56,7 +57,6 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # never be learned; as a user-defined symbol it is always exactly one piece, with or
 # without byte fallback.
 NEWLINE_SYMBOLS = ["\n"]
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _PROGRESS_EVERY_LINES = 100_000
 
 
@@ -68,13 +68,6 @@ class ReadStats:
     text_bytes: int = 0
 
 
-def input_format(path: str, requested: str) -> str:
-    """``jsonl`` or ``text`` for ``path``: ``requested`` unless it is ``auto``."""
-    if requested != "auto":
-        return requested
-    return "jsonl" if path.endswith(_JSONL_SUFFIXES) else "text"
-
-
 def iter_documents(paths: Sequence[str], fmt: str, json_keys: Sequence[str],
                    stats: ReadStats) -> Iterator[str]:
     """Yields the documents of ``paths``: jsonl values of ``json_keys``, or whole text files.
@@ -84,12 +77,14 @@ def iter_documents(paths: Sequence[str], fmt: str, json_keys: Sequence[str],
     """
     for path in paths:
         if input_format(path, fmt) == "jsonl":
-            with open(path, "rb") as stream:
+            with open_input(path) as stream:
                 for line_number, raw in enumerate(stream, start=1):
                     parsed = parse_json_line(raw, json_keys, allow_lists=True)
                     if isinstance(parsed, str):
-                        raise ToolError(f"{path}:{line_number}: {parsed}; fix or remove "
-                                        "the line")
+                        hint = ("if the file is plain text, not jsonl, pass --input-format "
+                                "text" if line_number == 1 and parsed.startswith("invalid JSON")
+                                else "fix or remove the line")
+                        raise ToolError(f"{path}:{line_number}: {parsed}; {hint}")
                     stats.text_bytes += len(raw)
                     for key in json_keys:
                         stats.documents += 1
@@ -102,8 +97,8 @@ def iter_documents(paths: Sequence[str], fmt: str, json_keys: Sequence[str],
                             f"{human_mb(stats.text_bytes)}")
         else:
             try:
-                with open(path, "r", encoding="utf-8", newline="") as stream:
-                    text = stream.read()
+                with open_input(path) as stream:
+                    text = stream.read().decode("utf-8")
             except UnicodeDecodeError as err:
                 raise ToolError(f"{path}: not valid UTF-8 text ({err.reason} at byte "
                                 f"{err.start}); convert it or pass a jsonl file") from None
@@ -222,10 +217,13 @@ def build_parser() -> ToolArgumentParser:
     )
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
                         help="training text: jsonl files (one JSON object per line) or plain "
-                             "UTF-8 text files (each file one document)")
+                             "UTF-8 text files (each file one document; training reads its "
+                             "non-empty lines, however tools/preprocess_data.py "
+                             "--text-documents cuts it), optionally .gz")
     parser.add_argument("--input-format", choices=["auto", "jsonl", "text"], default="auto",
                         help="how to read --input; auto: jsonl for names ending in .jsonl, "
-                             ".json or .ndjson, plain text otherwise (default: %(default)s)")
+                             ".json or .ndjson (before a .gz), plain text otherwise (default: "
+                             "%(default)s)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="jsonl keys whose string values are documents "
                              "(default: %(default)s)")

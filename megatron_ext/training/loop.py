@@ -27,7 +27,7 @@ from megatron_ext.optim.modes import derived_metrics
 from megatron_ext.runtime import faults
 from megatron_ext.runtime.batch_schedule import BatchRamp
 from megatron_ext.runtime.fatal import during
-from megatron_ext.runtime.quiet import quiet_optional_dependencies
+from megatron_ext.runtime.quiet import quiet_cuda_advice, quiet_optional_dependencies
 from megatron_ext.runtime.signals import ExitSignalHandler
 from megatron_ext.runtime.to_host import ToHost
 from megatron_ext.training.metrics import (
@@ -553,6 +553,8 @@ def pretrain(cfg) -> int:
     try:
         with during("starting up"):
             trainer = Trainer(cfg)
+        if trainer.runtime.is_cpu:
+            quiet_cuda_advice()
         faults.arm(faults.Crashes(cfg.faults.crash, trainer.runtime.rank))
         if cfg.training.manual_gc:
             # Collections at fixed points only, so that ranks pause together (Megatron-LM).

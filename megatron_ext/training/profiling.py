@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from megatron_ext.errors import UsageError
+from megatron_ext.runtime.quiet import native_lines_dropped
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class Profiler:
                 # Without Megatron-LM's record_shapes/with_stack: on the CPU they multiply
                 # the profiled steps' time and push the labelled ranges out of the table.
                 self._prof = torch.profiler.profile(activities=activities)
-                self._prof.__enter__()
+                # torch's profiler prints a "USDT:" mark line when it starts and stops.
+                with native_lines_dropped():
+                    self._prof.__enter__()
         elif self._nvtx is None:
             torch.cuda.profiler.start()
             self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
@@ -95,7 +98,8 @@ class Profiler:
         prof, self._prof = self._prof, None
         if not self.is_cpu:
             torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
+        with native_lines_dropped():
+            prof.__exit__(None, None, None)
         os.makedirs(self.cfg.profile_dir, exist_ok=True)
         stem = os.path.join(self.cfg.profile_dir, f"rank{self.rank}-iter{self._first}-{last}")
         averages = prof.key_averages()

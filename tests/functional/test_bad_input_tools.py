@@ -113,10 +113,33 @@ CASES = {
         "preprocess_data", ["--input", "{t}/empty_docs.jsonl", "--output-prefix", "{t}/ds",
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
         "no document to write: the 2 input lines were all malformed or empty"),
-    "preprocess_data of plain text": (
+    # Plain text is read as such (tests/tools/test_preprocess_text.py); read as jsonl, the
+    # hint is the format, not --on-error skip, which would leave out every line.
+    "preprocess_data of plain text read as jsonl": (
         "preprocess_data", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                            "--input-format", "jsonl"],
+        "{t}/plain.txt:1: invalid JSON (Expecting value: line 1 column 1 (char 0)); if the "
+        "file is plain text, not jsonl, pass --input-format text"),
+    "preprocess_data of text that is not utf-8": (
+        "preprocess_data", ["--input", "{t}/latin1.txt", "--output-prefix", "{t}/ds",
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
-        "{t}/plain.txt:1: invalid JSON"),
+        "{t}/latin1.txt:1: not valid UTF-8 text"),
+    "preprocess_data text documents of jsonl": (
+        "preprocess_data", ["--input", "{t}/texts.jsonl", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                            "--text-documents", "lines"],
+        "--text-documents lines cuts plain text, and every --input is jsonl by its name"),
+    "preprocess_data json keys of plain text": (
+        "preprocess_data", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/ds",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                            "--json-keys", "text", "body"],
+        "--json-keys text body: {t}/plain.txt is plain text, which has no keys"),
+    "train_tokenizer of plain text read as jsonl": (
+        "train_tokenizer", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/tok",
+                            "--input-format", "jsonl"],
+        "{t}/plain.txt:1: invalid JSON (Expecting value: line 1 column 1 (char 0)); if the "
+        "file is plain text, not jsonl, pass --input-format text"),
     "preprocess_data gpt2 without its files": (
         "preprocess_data", ["--input", "{t}/metrics.jsonl", "--output-prefix", "{t}/ds",
                             "--tokenizer-type", "GPT2BPETokenizer"],
@@ -160,7 +183,7 @@ CASES = {
 }
 
 # Run as processes too: one tool without torch, one with it.
-PROCESS_CASES = ["build_corpus output under a file", "preprocess_data of plain text"]
+PROCESS_CASES = ["build_corpus output under a file", "preprocess_data of plain text read as jsonl"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""examples/quickstart.sh runs end to end (12 iterations, 300 documents) inside the test venv.
+"""examples/quickstart.sh runs end to end (12 iterations, 300 documents) inside the test venv,
+then again with a larger QUICKSTART_ITERS, which trains on from the checkpoint.
 
 The test's Python already has the pinned requirements, so the script must use it as it
 is: no .venv created or activated, nothing installed (no network needed).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,8 @@ import pytest
 from mext_testing import ROOT, read_metrics
 
 ITERS = 12  # the script logs every 10 iterations and at the end: records at 10 and 12
+MORE_ITERS = 14  # the second run: QUICKSTART_ITERS raised after the first one
+PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -29,13 +33,10 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
            "QUICKSTART_ITERS": str(ITERS), "QUICKSTART_DOCS": "300", "WANDB_MODE": "offline",
            "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "quickstart.sh")], cwd=tmp_path,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=500)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-6000:]
+    out = _quickstart(env, tmp_path)
     assert "already has the requirements" in out, out[:2000]
     assert "pip install" not in out and "environment (.venv)" not in out
+    assert re.search(r"^== \[\d+:\d\d\] done$", out, re.M), out[-2000:]
 
     ckpt = work / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
@@ -64,10 +65,13 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     assert (width, height) == (1210, round((0.8 + 2.4 * 11) * 110))
     assert f"plot: {work}/breakdown.png" in out
 
-    # It sampled from the model it trained and exported it for transformers.
-    # (After 12 iterations the greedy continuation may be whitespace only: any text will do.)
+    # It sampled from the model it trained: the prompt, then text with letters (after 12
+    # iterations hardly words, but not the "1" and blank lines that greedy decoding after a
+    # prompt ending in a space gave), and exported the model for transformers.
     sample = (work / "sample.txt").read_text()
-    assert len(sample) > 1 and sample.endswith("\n") and "sampling from the trained model" in out
+    assert sample.startswith(PROMPT) and sample.endswith("\n"), sample
+    assert re.search(r"[A-Za-z]", sample[len(PROMPT):]), sample
+    assert "sampling from the trained model" in out
     hf_dir = work / "hf"
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 4096
@@ -78,3 +82,24 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     assert model.config.num_hidden_layers == 4
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     assert tokenizer.decode(tokenizer("def main():")["input_ids"]) == "def main():"
+
+    # Raising QUICKSTART_ITERS trains on from the checkpoint to the new count (the learning
+    # rate schedule of the new length), reusing the corpus, tokenizer and data.
+    corpus_mtime = (work / "corpus.jsonl").stat().st_mtime_ns
+    out = _quickstart({**env, "QUICKSTART_ITERS": str(MORE_ITERS)}, tmp_path)
+    assert f"training from iteration {ITERS + 1}" in out, out[-6000:]
+    assert (work / "corpus.jsonl").stat().st_mtime_ns == corpus_mtime
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(MORE_ITERS)
+    records = read_metrics(work / "metrics.jsonl")
+    assert [r["iteration"] for r in records if "lm_loss" in r] == [10, ITERS, MORE_ITERS]
+    # Still in the 15 warm-up iterations: the schedule goes on where it was.
+    last = [r for r in records if "lm_loss" in r][-1]
+    assert last["lr"] == pytest.approx(2e-3 * MORE_ITERS / 15)
+
+def _quickstart(env: dict, cwd) -> str:
+    """Runs examples/quickstart.sh; its output (stdout and stderr)."""
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "quickstart.sh")], cwd=cwd,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc.stdout

@@ -44,3 +44,14 @@ def test_sampling_is_seeded(finetuned_run):
 ])
 def test_bad_input_is_one_line(argv, expected):
     assert_usage_error(call_tool(generate, *argv), expected)
+
+
+@pytest.mark.parametrize("prompt, noted", [
+    ("import os\n\ndef ", True), ("x =\t", True), ("def main():\n", False), ("def", False),
+    ("", False)])
+def test_a_prompt_ending_in_a_space_is_noted(prompt, noted):
+    # The quickstart's old prompt ended in "def ": a lone space piece, then "1" and blank lines.
+    note = generate.trailing_space_note(prompt)
+    assert (note is not None) == noted
+    if noted:
+        assert "ends in whitespace" in note

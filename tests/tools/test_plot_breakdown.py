@@ -267,3 +267,68 @@ def test_counts_and_bytes_get_axes_of_their_own():
 ])
 def test_bytes_unit(values, expected):
     assert plot_breakdown.bytes_unit(values) == expected
+
+
+def cpu_records(**kwargs):
+    """synthetic_records of a run without GPU: no memory/gpu_* field, the offload engine's
+    device-tier fields at 0 (what a CPU run records)."""
+    records = synthetic_records(**kwargs)
+    for record in records:
+        record.pop("memory/gpu_max_allocated_gib", None)
+        if "offload/update_s" in record:
+            record.update({"offload/device_update_s": 0.0, "offload/device_tier_gib": 0.0,
+                           "offload/device_subgroups_n": 0, "offload/streamed_subgroups": 0.0})
+    return records
+
+
+def test_a_cpu_run_draws_no_flat_zeros_and_says_so(tmp_path):
+    train, evals = split_records(cpu_records(offload=True))
+    assert plot_breakdown.ran_on_cpu(train)
+    left_out = plot_breakdown.left_out_fields(train)
+    assert left_out == ["offload/device_subgroups_n", "offload/device_tier_gib",
+                        "offload/device_update_s", "offload/streamed_subgroups"]
+    panels = {p.name: p for p in plan_panels(train, evals)}
+    drawn = {s.key for p in panels.values() for s in p.series}
+    assert not drawn & set(left_out)
+    # The offload memory and values panels had only device-tier fields: not drawn at all.
+    assert list(panels) == CORE_PANELS + OFFLOAD_PANELS
+    assert [s.key for s in panels["offload/time"].series] == [
+        "offload/convert_s", "offload/stall_s", "offload/update_s"]
+    assert [s.key for s in panels["memory"].series] == ["memory/host_rss_gib"]
+    output = tmp_path / "cpu.png"
+    run = run_tool("plot_breakdown.py", write_jsonl(tmp_path / "m.jsonl", cpu_records(
+        offload=True)), "--output", output)
+    assert_ok(run)
+    assert ("no GPU in this run: not drawn, 0 in every record: offload: device_subgroups_n, "
+            "device_tier_gib, device_update_s, streamed_subgroups") in run.stderr
+    assert_png(output, len(CORE_PANELS + OFFLOAD_PANELS))
+
+
+def test_a_gpu_run_keeps_its_zero_fields():
+    records = synthetic_records(offload=True)
+    for record in records:
+        record["offload/device_update_s"] = 0.0
+    train, evals = split_records(records)
+    assert not plot_breakdown.ran_on_cpu(train) and plot_breakdown.left_out_fields(train) == []
+    panels = {p.name: p for p in plan_panels(train, evals)}
+    assert "offload/device_update_s" in {s.key for s in panels["offload/time"].series}
+
+
+def test_a_cpu_run_keeps_a_field_that_is_not_always_zero():
+    records = cpu_records(offload=True)
+    records[3]["offload/device_update_s"] = 0.01
+    train, _ = split_records(records)
+    assert "offload/device_update_s" not in plot_breakdown.left_out_fields(train)
+
+
+def test_feature_prefixes_come_from_the_records(tmp_path):
+    """A feature this tool has never heard of gets its panels from its fields' units."""
+    records = synthetic_records(eval_every=0)
+    for record in records:
+        record.update({"prefetch/wait_s": 0.01, "prefetch/hit_rate": 0.9,
+                       "prefetch/read_gbps": 3.0})
+    train, evals = split_records(records)
+    assert plot_breakdown.feature_prefixes(train) == ["prefetch/"]
+    assert [p.name for p in plan_panels(train, evals)] == CORE_PANELS + [
+        "prefetch/time", "prefetch/ratio", "prefetch/bandwidth"]
+    assert plot(records, str(tmp_path / "p.png"))[-1] == "prefetch/bandwidth"
