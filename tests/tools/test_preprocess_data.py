@@ -20,14 +20,9 @@ import numpy as np
 import psutil
 import pytest
 import sentencepiece
-from preprocess_data import (
-    Chunk,
-    ChunkResult,
-    DatasetWriter,
-    encode_chunk,
-    expand_inputs,
-    iter_chunks,
-)
+from _indexed_writer import DatasetWriter
+from _tokenize_chunks import Chunk, ChunkResult, encode_chunk, iter_chunks
+from preprocess_data import expand_inputs
 from tools_testlib import REPO_ROOT, assert_ok, assert_usage_error, run_tool, tool_command
 
 from megatron_ext.data.tokenizer import GPTSentencePieceTokenizer

@@ -19,8 +19,8 @@ import pytest
 import sentencepiece
 import train_tokenizer
 from _documents import decode_text, input_format, iter_text_documents, malformed_hint
+from _tokenize_chunks import iter_chunks
 from model_testlib import assert_ok, assert_usage_error, call_tool
-from preprocess_data import iter_chunks
 
 EOD = 2  # </s> of the models tools/train_tokenizer.py writes
 
