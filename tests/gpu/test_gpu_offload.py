@@ -93,7 +93,7 @@ def test_state_tiers_on_cuda_follow_the_cpu_update(tmp_path, layout):
     records = [r for r in read_metrics(tiered) if "offload/cache_hit_rate" in r]
     last = records[-1]
     assert last["offload/device_subgroups_n"] == (12 if layout == "device-only" else 4)
-    assert last["offload/device_tier_gib"] * 2**30 >= 4 * 120_000
+    assert last["offload/device_tier_gib"] * 2**30 >= 4 * 100_000  # 10 B/element
     assert (last["offload/streamed_subgroups"] > 0) == layout.endswith("streamed")
     # The device tier's states are CUDA tensors, all of them.
     assert last["offload/device_tier_cuda_gib"] == pytest.approx(last["offload/device_tier_gib"])
