@@ -9,6 +9,9 @@
 #   16b    36 layers, hidden 6144, 48 heads:  16.5B,  198 GB (fp32), 132 GB (MOMENTS=bf16)
 #   18b    40 layers, hidden 6144, 48 heads:  18.3B,  219 GB (fp32), 146 GB (MOMENTS=bf16)
 #   20b    44 layers, hidden 6144, 48 heads:  20.1B,  242 GB (fp32), 161 GB (MOMENTS=bf16)
+#   25b    56 layers, hidden 6144, 48 heads:  25.6B,  307 GB (fp32), 205 GB (MOMENTS=bf16)
+# (at 12 and 8 bytes per element; with the default remainders 10 and 6: 20b 201/121 GB,
+# 25b 256/153 GB)
 # TIERS:
 #   device (default)  --offload-device-cache-gb auto (GPU memory left after the measured
 #                     forward+backward peak and DEVICE_RESERVE_GB), the rest in the pinned
@@ -42,7 +45,8 @@ case "$MODEL" in
   16b) SHAPE=(--num-layers 36 --hidden-size 6144 --num-attention-heads 48) ;;
   18b) SHAPE=(--num-layers 40 --hidden-size 6144 --num-attention-heads 48) ;;
   20b) SHAPE=(--num-layers 44 --hidden-size 6144 --num-attention-heads 48) ;;
-  *) echo "MODEL must be 13b, 6.7b, 16b, 18b or 20b"; exit 2 ;;
+  25b) SHAPE=(--num-layers 56 --hidden-size 6144 --num-attention-heads 48) ;;
+  *) echo "MODEL must be 13b, 6.7b, 16b, 18b, 20b or 25b"; exit 2 ;;
 esac
 TIERS="${TIERS:-device}"
 TIER="${TIER:-/var/tmp/offload-tier}"
