@@ -112,14 +112,17 @@ def _vocab_size(cfg, given: Optional[int]) -> int:
 
 
 def plan_from_argv(argv: Sequence[str]):
-    """The :class:`~megatron_ext.memory.plan.MemoryPlan` of the tool's command line.
+    """(the plan, the mode's re-settled choice or None) of the tool's command line.
+
+    The plan is a :class:`~megatron_ext.memory.plan.MemoryPlan`; the note is the line the
+    run would log where the mode re-settled one of its ``auto`` choices to fit.
 
     Raises:
         UsageError: a flag is wrong (pretrain_gpt.py's or the tool's).
     """
     from megatron_ext.config import parse_config
     from megatron_ext.memory.machine import split_path_spec, target_machine
-    from megatron_ext.memory.plan import plan_run
+    from megatron_ext.memory.startup import settle_plan
 
     args, rest = tool_parser().parse_known_args(argv)
     if args.target_gpu_gb is None or args.target_host_gb is None:
@@ -155,7 +158,7 @@ def plan_from_argv(argv: Sequence[str]):
                                  args.target_tflops, args.target_gpus_per_node)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    return plan_run(cfg, _vocab_size(cfg, args.tokenizer_vocab_size), world, machine)
+    return settle_plan(cfg, _vocab_size(cfg, args.tokenizer_vocab_size), world, machine)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -168,10 +171,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nEvery other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).")
         return 0
     try:
-        plan = plan_from_argv(argv)
+        plan, note = plan_from_argv(argv)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    if note:
+        print(note, flush=True)
     print(plan_table(plan), flush=True)
     if plan.refusals:
         print(f"error: memory plan: {plan.refusals[0]}", file=sys.stderr, flush=True)

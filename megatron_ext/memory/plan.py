@@ -322,11 +322,15 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
     refusal = _gpu_refusal(plan, needs.gpu_fix, base)
     if refusal:
         plan.refusals.append(refusal)
-    if plan.host.used > plan.host.capacity:
+    reserve = (_host_reserve(cfg, plan.host.capacity, machine.ranks_per_node)
+               if needs.host_reserve else 0)
+    if plan.host.used > plan.host.capacity - reserve:
         parts = ", ".join(f"{k} {gb(v)}" for k, v in plan.host.items.items())
+        kept = f" less a reserve of {gb(reserve)}" if reserve else ""
         plan.refusals.append(
             f"the run needs {gb(plan.host.used)} GB of host memory per rank ({parts}), "
-            f"{gb(plan.host.capacity)} GB available: {needs.host_fix or 'free host memory'}")
+            f"{gb(plan.host.capacity)} GB available{kept}: "
+            f"{needs.host_fix or 'free host memory'}")
     if needs.tiered is not None:
         host_room = (plan.host.capacity - plan.host.used
                      - _host_reserve(cfg, plan.host.capacity, machine.ranks_per_node))

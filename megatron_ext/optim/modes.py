@@ -147,6 +147,10 @@ class MemoryNeeds:
         tiered: states the plan places over the tiers (None: none).
         gpu_fix: the flag that moves the GPU items elsewhere, for the refusal line.
         host_fix: the flag that moves the host items elsewhere.
+        host_reserve: whether the host items must leave the node's reserve free beside
+            them (the offload engine's rule: ``--offload-host-reserve-gb``, else a tenth of
+            MemAvailable): so for buffers the process allocates whole, whose excess the
+            kernel's OOM killer would meet instead of a cache that sizes itself.
     """
 
     gpu: Dict[str, int] = dataclasses.field(default_factory=dict)
@@ -154,6 +158,7 @@ class MemoryNeeds:
     tiered: Optional[TieredStates] = None
     gpu_fix: str = ""
     host_fix: str = ""
+    host_reserve: bool = False
 
 
 def megatron_state_bytes(cfg, shape) -> Tuple[int, int]:
@@ -217,6 +222,16 @@ class Mode:
     def checkpoint_problems(self, directory: str) -> List[Tuple[str, str]]:
         """(file, problem) of the files the mode wrote beside dist_checkpointing's."""
         return []
+
+    def refit(self, cfg, plan) -> Optional[Tuple[str, Callable[[], None]]]:
+        """Re-settles what the mode chose by itself when ``plan`` refuses the run.
+
+        A mode whose ``auto`` setting has another choice that may fit changes ``cfg`` to it
+        and returns (the log line saying what it chose and why, a function that undoes the
+        change); the start-up plans again and keeps the change only if that plan fits.
+        None (the default): nothing to re-settle.
+        """
+        return None
 
     def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
         """What the mode keeps where, for the memory plan made before the first step.

@@ -99,8 +99,11 @@ class ZenFlowConfig:
     """Where the CPU side keeps its fp32 masters and Adam moments (the delayed columns').
     tiers: in the offload engine's host cache and --offload-paths files (needs
     --offload-optimizer; the accumulators and the weights waiting for the model stay in
-    host memory); host: in host memory; auto: tiers when --offload-optimizer is given,
-    else host."""
+    host memory); host: in host memory (12 bytes per delayed element); auto: tiers when
+    --offload-optimizer is given; else host when the memory plan finds room for it beside
+    the run's other host buffers and the node's reserve (a tenth of MemAvailable), and
+    otherwise the offload engine's host cache without files (10 bytes per element with
+    bf16 weights, 6 with bf16 moments), which the log says at start-up."""
 
     zenflow_cpus: str = knob("", env=CPUS_ENV, parse=check_cpus, metavar="CPUS")
     """The CPUs of the CPU side's threads (accumulation, Adam, and the workers they start),
@@ -161,16 +164,23 @@ class ZenFlowConfig:
             if changed:
                 raise UsageError(f"--{changed[0].replace('_', '-')} needs --zenflow")
 
+    cpu_states_auto = False
+    """Whether --zenflow-cpu-states was auto and settled to host without --offload-optimizer:
+    the memory plan may then move the states to the offload engine's host cache
+    (``ZenFlowMode.refit``). Not a field: not a flag."""
+
     def resolve_cpu_states(self, offload_optimizer: bool) -> None:
         """Settles ``auto`` of --zenflow-cpu-states: tiers with --offload-optimizer, else host.
 
         Called once, by the run's config (which knows the offload flags); with --zenflow
-        only. Refuses tiers without --offload-optimizer.
+        only. Refuses tiers without --offload-optimizer. Without it, the memory plan may
+        still choose the tiers' host cache where host memory is short (``ZenFlowMode.refit``).
         """
         if not self.zenflow:
             return
         if self.zenflow_cpu_states == "auto":
             self.zenflow_cpu_states = "tiers" if offload_optimizer else "host"
+            self.cpu_states_auto = not offload_optimizer
         if self.zenflow_cpu_states == "tiers" and not offload_optimizer:
             raise UsageError("--zenflow-cpu-states tiers keeps ZenFlow's CPU-side states in the "
                              "offload tiers: add --offload-optimizer (and --offload-paths)")

@@ -101,7 +101,13 @@ class ZenFlowMode(Mode):
                                             * shape.grad_bytes) * delayed
         tiered = None
         if zen.zenflow_cpu_states == "tiers":
+            from megatron_ext.offload.tier_model import pipeline_host_bytes
+
             arrays = state_array_bytes(cfg)
+            # The engine's own rule for what its pipeline takes on the host (tier_model).
+            biggest = min(off.offload_subgroup_size, max(1, delayed))
+            host["offload pipeline"] = pipeline_host_bytes(biggest,
+                                                           state_nbytes(arrays, biggest))
             interval = zen.zenflow_update_interval
             tiered = TieredStates(
                 elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,
@@ -122,7 +128,31 @@ class ZenFlowMode(Mode):
                         "CPU-side states in the offload tiers)")
         return MemoryNeeds(gpu=gpu, host=host, tiered=tiered, host_fix=host_fix,
                            gpu_fix="lower --zenflow-topk-ratio, or "
-                                   "--zenflow-accumulate host")
+                                   "--zenflow-accumulate host", host_reserve=True)
+
+    def refit(self, cfg, plan):
+        """Host states that do not fit move to the offload engine's host cache (auto only).
+
+        With ``--zenflow-cpu-states auto`` and no ``--offload-optimizer``, the CPU side's
+        states start in host memory (12 bytes per element); where the plan refuses that, the
+        offload engine's host cache holds them without files, at its layout's bytes (10 with
+        bf16 weights: the masters as remainders beside the weights waiting for the model).
+        """
+        from megatron_ext.memory.plan import gb
+
+        zen = cfg.zenflow
+        states = plan.host.items.get("ZenFlow CPU states")
+        if not (zen.cpu_states_auto and zen.zenflow_cpu_states == "host" and states):
+            return None
+        zen.zenflow_cpu_states = "tiers"
+
+        def undo():
+            zen.zenflow_cpu_states = "host"
+
+        return (f"zenflow: the CPU side's states ({gb(states)} GB in host memory) leave too "
+                "little host memory for the rest of the run: they live in the offload "
+                "engine's host cache instead (--zenflow-cpu-states auto; give --offload-"
+                "optimizer --offload-paths DIR to put them on disk too)", undo)
 
     def log_summary(self, record: dict) -> Optional[str]:
         """``zenflow: rho .. S .. stall (ms) .. selected ..`` from its metrics in the record."""

@@ -175,3 +175,69 @@ def test_paths_shared_by_the_ranks_of_a_node():
     machine = Machine("m", 10**11, 10**11, 8 * 10**11, ranks_per_node=8,
                       paths=(PathCapacity("/nvme", 8 * 10**12, 2.0, 2.0),))
     assert machine.host_share() == 10**11 and machine.path_share(0) == 10**12
+
+
+# Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh as it runs (no recomputation,
+# fp8 left out), global batch 128 of 8192.
+LLAMA = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+         "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+         "--kv-channels", "128", "--seq-length", "8192", "--max-position-embeddings", "8192",
+         "--position-embedding-type", "rope", "--swiglu",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--micro-batch-size", "1", "--global-batch-size", "128", "--bf16",
+         "--grad-reduce-in-bf16", "--use-distributed-optimizer", "--lr", "1.5e-4",
+         "--train-iters", "10", "--mock-data", "--vocab-size", "128256", "--zenflow"]
+
+
+def settled(flags, host_gb):
+    from megatron_ext.memory.startup import settle_plan
+
+    cfg = parse_config(flags)
+    cfg.check_world(1)
+    p, note = settle_plan(cfg, 128256, 1, target_machine(150.1, host_gb, [], 590.0))
+    return cfg, p, note
+
+
+def test_zenflow_host_states_keep_the_nodes_reserve_free():
+    """Llama-3-8B's ZenFlow needs 130 GB of host memory with its states there: under the
+    H200's 133.6 GB of MemAvailable, but not with the tenth left for the node (the run of
+    2026-12-03 that the OOM killer ended had no such margin)."""
+    cfg = parse_config(LLAMA)
+    cfg.check_world(1)
+    p = plan_run(cfg, 128256, 1, target_machine(150.1, 133.6, [], 590.0))
+    line = one_line(p.refusals[0])
+    assert line.startswith("the run needs 130 GB of host memory per rank")
+    assert "134 GB available less a reserve of 13.4:" in line
+
+
+def test_zenflow_auto_moves_host_states_that_do_not_fit_to_the_host_cache():
+    cfg, p, note = settled(LLAMA, 133.6)
+    assert not p.refusals
+    assert cfg.zenflow.zenflow_cpu_states == "tiers"
+    assert note.startswith("zenflow: the CPU side's states (86.7 GB in host memory)")
+    assert "ZenFlow CPU states" not in p.host.items
+    # 10 bytes per delayed element (the remainders), all in the cache, nothing on a path.
+    assert p.state_bytes_per_element == 10 and not p.paths
+    assert p.host.used + 13.36 * GB <= p.host.capacity
+
+
+def test_zenflow_auto_keeps_host_states_where_they_fit():
+    cfg, p, note = settled(LLAMA, 250.0)
+    assert note is None and not p.refusals
+    assert cfg.zenflow.zenflow_cpu_states == "host"
+    assert "ZenFlow CPU states" in p.host.items
+
+
+def test_zenflow_auto_refit_that_does_not_fit_either_is_undone():
+    cfg, p, note = settled(LLAMA, 60.0)
+    assert note is None
+    assert cfg.zenflow.zenflow_cpu_states == "host"
+    assert one_line(p.refusals[0]).endswith("add --offload-optimizer --offload-paths DIR "
+                                            "(ZenFlow then keeps its CPU-side states in the "
+                                            "offload tiers)")
+
+
+def test_zenflow_explicit_host_states_are_not_moved():
+    cfg, p, note = settled([*LLAMA, "--zenflow-cpu-states", "host"], 133.6)
+    assert note is None and p.refusals
+    assert cfg.zenflow.zenflow_cpu_states == "host"
