@@ -9,8 +9,8 @@
 #                                the script's own bf16 branch
 #   GPUS_PER_NODE=8 -> 1         one GPU
 #   --train-samples N -> 128 x ITERS (ITERS iterations of the global batch of 128)
-#   the --save/--load lines       dropped: the end-of-run save of 8B weights and states
-#                                 would not fit the machine's 64 GB disk
+#   the --save/--load/--save-interval lines  dropped: the end-of-run save of 8B weights
+#                                 and states would not fit the machine's 64 GB disk
 # A stand-in `torchrun` on the script's PATH runs torch.distributed.run with the same
 # arguments plus the mode flag and --metrics-path $OUT/llama-$MODE.jsonl.
 # Usage (repository root, on the GPU machine; carry .whl):
@@ -28,9 +28,10 @@ SRC=tests/data/megatron_lm_examples/core_v0.16.1/examples/llama/train_llama3_8b_
 WORK="$(mktemp -d)"
 sed -e 's/^DTYPE="fp8"$/DTYPE="bf16"/' -e 's/^GPUS_PER_NODE=8$/GPUS_PER_NODE=1/' \
     -e "s/--train-samples 1953125000/--train-samples $((128 * ITERS))/" \
-    -e '/--save "\$CHECKPOINT_PATH"/d' -e '/--load "\$CHECKPOINT_PATH"/d' "$SRC" > "$WORK/run.sh"
+    -e '/--save "\$CHECKPOINT_PATH"/d' -e '/--load "\$CHECKPOINT_PATH"/d' \
+    -e '/--save-interval 1000$/d' "$SRC" > "$WORK/run.sh"
 diff "$SRC" "$WORK/run.sh" > "$OUT/llama-$MODE.diff"
-[ "$(grep -c '^[<>]' "$OUT/llama-$MODE.diff")" = 8 ] || { echo "the substitutions did not all apply"; cat "$OUT/llama-$MODE.diff"; exit 2; }
+[ "$(grep -c '^[<>]' "$OUT/llama-$MODE.diff")" = 9 ] || { echo "the substitutions did not all apply"; cat "$OUT/llama-$MODE.diff"; exit 2; }
 mkdir -p "$WORK/bin"
 cat > "$WORK/bin/torchrun" <<SHIM
 #!/usr/bin/env bash
