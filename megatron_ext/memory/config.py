@@ -35,6 +35,13 @@ def parse_gb_list(text: str) -> List[float]:
     return [parse_gb(item) for item in text.split(",") if item.strip()]
 
 
+def parse_stage_weights(text: str) -> str:
+    """auto, always or never."""
+    if text not in ("auto", "always", "never"):
+        raise ValueError("give auto, always or never")
+    return text
+
+
 @dataclasses.dataclass
 class PlanConfig:
     """The memory plan made before the first step (see docs/memory.md)."""
@@ -62,6 +69,14 @@ class PlanConfig:
                                           metavar="GB,...")
     """Test hook: each --offload-paths directory's free space (GB, one per path, in order)
     the memory plan sees instead of statvfs."""
+
+    plan_stage_weights: str = knob("auto", env="MEGATRON_EXT_STAGE_WEIGHTS",
+                                   parse=parse_stage_weights, metavar="auto|always|never")
+    """Test hook: whether a GPU run's weights wait in host memory while megatron-core's DDP
+    builds its parameter and gradient buffers (with --use-distributed-optimizer only, whose
+    parameter buffer takes the weights back): auto, when the free GPU memory is short of
+    those buffers beside the weights (the start-up would otherwise hold the weights three
+    times: 25.6B bf16 parameters on an H200); always; never."""
 
     def __post_init__(self):
         if self.plan_tflops is not None and not self.plan_tflops > 0:

@@ -257,14 +257,72 @@ def build_model(cfg, runtime, vocab_size: int):
                                         vp_stage=stage if vpp else None, config=config)
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
+        staged = not runtime.is_cpu and stage_weights_on_host(cfg, model, ddp_config)
         # As Megatron-LM: only the first chunk's gradients are bucketed (the others' are
         # one bucket each, reduced when their last backward is done).
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                       disable_bucketing=stage > 0)
+        if staged:  # the host copies are gone: DDP copied each into its buffer
+            log.info("start-up: the weights are back on the GPU, in DDP's parameter buffer")
         # Same initial weights on every data-parallel rank.
         ddp.broadcast_params()
         chunks.append(ddp)
     return chunks, config
+
+
+def ddp_buffer_bytes(params, ddp_config, grad_reduce_in_fp32: bool) -> int:
+    """Bytes of the parameter and gradient buffers megatron-core's DDP allocates for params.
+
+    The gradient buffer always (fp32 or the parameters' dtype), the parameter buffer with
+    the distributed optimizer (the parameters' dtype); bucket padding left out.
+    """
+    total = 0
+    for p in params:
+        if not p.requires_grad:
+            continue
+        grad = 4 if grad_reduce_in_fp32 else p.element_size()
+        total += p.numel() * (grad + (p.element_size() if ddp_config.use_distributed_optimizer
+                                      else 0))
+    return total
+
+
+STAGING_MARGIN = 2 * 2**30
+"""Free GPU memory kept beyond DDP's buffers before the weights need to step aside."""
+
+
+def stage_weights_on_host(cfg, model, ddp_config) -> bool:
+    """Moves the chunk's weights to host memory, when needed, before DDP wraps it.
+
+    megatron-core's DDP allocates its whole gradient buffer and, with the distributed
+    optimizer, its whole parameter buffer, and only then copies each weight into the
+    parameter buffer and frees it: for a moment the GPU holds the weights twice beside the
+    gradients (a 25.6B bf16 model: 3 x 47.6 GiB on a 139.8 GiB H200). With the weights in
+    host memory meanwhile, the buffers are the start-up's peak. The values are the same:
+    DDP copies each host weight into its buffer. Only with the distributed optimizer
+    (without it DDP keeps the weights where they are).
+
+    Returns:
+        Whether the weights were moved (the knob ``MEGATRON_EXT_STAGE_WEIGHTS``:
+        auto, when the free GPU memory is short of the buffers and a margin; always; never).
+    """
+    mode = cfg.plan.plan_stage_weights
+    if mode == "never" or not ddp_config.use_distributed_optimizer:
+        return False
+    params = list(model.parameters())
+    need = ddp_buffer_bytes(params, ddp_config, ddp_config.grad_reduce_in_fp32)
+    free = torch.cuda.mem_get_info()[0]
+    if mode == "auto" and free >= need + STAGING_MARGIN:
+        return False
+    moved = 0
+    for p in params:
+        if p.requires_grad and p.device.type == "cuda":
+            p.data = p.data.to("cpu")
+            moved += p.numel() * p.element_size()
+    torch.cuda.empty_cache()  # DDP's buffers are single allocations: give back the blocks
+    log.info("start-up: the weights (%.1f GB) wait in host memory while DDP builds its "
+             "buffers (%.1f GB; %.1f GB of the GPU was free)", moved / 1e9, need / 1e9,
+             free / 1e9)
+    return True
 
 
 def grads_in_fp32(cfg) -> bool:

@@ -241,3 +241,20 @@ def test_zenflow_explicit_host_states_are_not_moved():
     cfg, p, note = settled([*LLAMA, "--zenflow-cpu-states", "host"], 133.6)
     assert note is None and p.refusals
     assert cfg.zenflow.zenflow_cpu_states == "host"
+
+
+def test_ddp_buffer_bytes_count_the_parameter_buffer_with_the_distributed_optimizer():
+    from megatron_ext.model.build import ddp_buffer_bytes
+
+    params = [torch_param(1000), torch_param(24, grad=False)]
+    dist = types.SimpleNamespace(use_distributed_optimizer=True)
+    plain = types.SimpleNamespace(use_distributed_optimizer=False)
+    assert ddp_buffer_bytes(params, dist, grad_reduce_in_fp32=False) == 1000 * (2 + 2)
+    assert ddp_buffer_bytes(params, dist, grad_reduce_in_fp32=True) == 1000 * (4 + 2)
+    assert ddp_buffer_bytes(params, plain, grad_reduce_in_fp32=True) == 1000 * 4
+
+
+def torch_param(n, grad=True):
+    import torch
+
+    return torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16), requires_grad=grad)
