@@ -108,11 +108,11 @@ def load_model_class(bundle: str):
     return module.build_model_classes()
 
 
-def ds_config(a, zenflow: bool) -> dict:
+def ds_config(a, zenflow: bool, bf16: bool = True) -> dict:
     """DeepSpeed's config: ZeRO-2 with torch's AdamW, or ZeRO-Offload with ZenFlow."""
     cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": 1,
            "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-           "bf16": {"enabled": True},
+           "bf16": {"enabled": bf16},
            "optimizer": {"type": "AdamW", "params": {"lr": a.pretrain_lr, "betas": [0.9, 0.95],
                                                      "eps": 1e-8, "weight_decay": 0.1}},
            "zero_optimization": {"stage": 2, "contiguous_gradients": True,
@@ -135,7 +135,7 @@ class Trainer:
         import torch
         self.a, self.torch = a, torch
         self.GPT = load_model_class(a.bundle)
-        self.device = torch.device("cuda" if a.engine == "deepspeed" else "cpu")
+        self.device = torch.device("cpu")
         if a.engine == "deepspeed":
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                                ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -147,10 +147,15 @@ class Trainer:
             import logging
 
             import deepspeed
+            from deepspeed.accelerator import get_accelerator
             from deepspeed.utils import logger
             logger.setLevel(logging.WARNING)
-            deepspeed.init_distributed(dist_backend="nccl")
-            torch.cuda.set_device(0)
+            # DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu, no GPU) runs it too: gloo, fp32.
+            self.device = torch.device(get_accelerator().device_name())
+            deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda"
+                                       else "gloo")
+            if self.device.type == "cuda":
+                torch.cuda.set_device(0)
 
     def model(self, weights=None):
         """A fresh GPT (fixed init seed), with ``weights`` loaded when given."""
@@ -169,7 +174,8 @@ class Trainer:
             return model, opt
         import deepspeed
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(self.a, zenflow))
+                                               config=ds_config(self.a, zenflow,
+                                                                self.device.type == "cuda"))
         return engine, engine.optimizer
 
     def step(self, engine, opt, batch, lr: float) -> float:
@@ -184,11 +190,11 @@ class Trainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(engine.parameters(), 1.0)
             opt.step()
-            return float(loss)
+            return float(loss.detach())
         loss = engine(x[:, :-1], x[:, 1:])
         engine.backward(loss)
         engine.step()
-        return float(loss)
+        return float(loss.detach())
 
     def evaluate(self, engine, valid: np.ndarray) -> float:
         """Mean loss over the validation samples."""

@@ -438,14 +438,18 @@ def parse(argv=None):
                    help="a tiny model on small corpora, few steps, on the CPU: the pipeline's "
                         "smoke test")
     p.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
+    p.add_argument("--shape", dest="shape_overrides", default="",
+                   help="model shape overrides, e.g. layers=4,hidden=256,heads=4,seq=256,"
+                        "micro_batch=8 (keys: " + ", ".join(SHAPE) + ")")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="fine-tune seeds (data order; default 1 2 3, tiny: 1 2)")
     p.add_argument("--pretrain-iters", type=int, default=None, help="default 150 (tiny 16)")
     p.add_argument("--finetune-iters", type=int, default=None, help="default 100 (tiny 12)")
-    p.add_argument("--pretrain-lr", type=float, default=3e-4)
-    p.add_argument("--finetune-lr", type=float, default=1e-4)
+    p.add_argument("--pretrain-lr", type=float, default=None, help="default 3e-4 (tiny 3e-3)")
+    p.add_argument("--finetune-lr", type=float, default=None, help="default 1e-4 (tiny 1e-3)")
     p.add_argument("--eval-interval", type=int, default=None, help="default 20 (tiny 4)")
-    p.add_argument("--eval-iters", type=int, default=4, help="batches per evaluation")
+    p.add_argument("--eval-iters", type=int, default=None,
+                   help="batches per evaluation (default 4, tiny 2)")
     p.add_argument("--stdlib-docs", type=int, default=None, help="default 600 (tiny 40)")
     p.add_argument("--stdlib-chars", type=int, default=8000)
     p.add_argument("--workers", type=int, default=4, help="preprocess_data.py --workers")
@@ -460,15 +464,21 @@ def parse(argv=None):
     tiny = a.tiny
     a.device = a.device or ("cpu" if tiny else "cuda")
     a.shape = dict(TINY_SHAPE if tiny else SHAPE)
+    for item in filter(None, a.shape_overrides.split(",")):
+        key, _, value = item.partition("=")
+        if key not in SHAPE or not value.isdigit():
+            p.error(f"--shape {item}: give KEY=N with KEY one of {', '.join(SHAPE)}")
+        a.shape[key] = int(value)
     a.seeds = a.seeds or ([1, 2] if tiny else [1, 2, 3])
     a.pretrain_iters = a.pretrain_iters or (16 if tiny else 150)
     a.finetune_iters = a.finetune_iters or (12 if tiny else 100)
     a.eval_interval = a.eval_interval or (4 if tiny else 20)
     a.stdlib_docs = a.stdlib_docs or (40 if tiny else 600)
+    a.eval_iters = a.eval_iters or (2 if tiny else 4)
+    a.pretrain_lr = a.pretrain_lr or (3e-3 if tiny else 3e-4)
+    a.finetune_lr = a.finetune_lr or (1e-3 if tiny else 1e-4)
     if tiny:
         a.stdlib_chars = min(a.stdlib_chars, 4000)
-        a.eval_iters = min(a.eval_iters, 2)
-        a.pretrain_lr, a.finetune_lr = 3e-3, 1e-3
     return a
 
 

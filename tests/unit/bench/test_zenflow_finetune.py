@@ -91,6 +91,10 @@ def test_rows_and_defaults():
     assert paper[paper.index("--zenflow-topk-ratio") + 1] == "0.05"
     assert paper[paper.index("--zenflow-select-interval") + 1] == "100"
     assert "--zenflow" not in zf.finetune_args(a, "adam", 1)
+    small = zf.parse(["--output-dir", "x", "--tiny", "--shape", "layers=4,hidden=256"])
+    assert (small.shape["layers"], small.shape["hidden"], small.shape["seq"]) == (4, 256, 64)
+    with pytest.raises(SystemExit):
+        zf.parse(["--output-dir", "x", "--shape", "depth=4"])
 
 
 def test_byte_ids_are_the_utf8_bytes(tmp_path):
