@@ -252,6 +252,18 @@ class Trainer:
             self.torch.cuda.empty_cache()
 
 
+def selective_steps(opt):
+    """DeepSpeed ZenFlow's selective (GPU-side) AdamW: the most steps of any of its params.
+
+    None for other optimizers. A check that the selected columns were updated at all.
+    """
+    selective = getattr(opt, "selective_optimizer", None)
+    if selective is None:
+        return None
+    steps = [float(st["step"]) for st in selective.state.values() if "step" in st]
+    return max(steps) if steps else 0.0
+
+
 def main(argv=None) -> int:
     """Pretrains, then fine-tunes every row and seed; 0 when every run finished."""
     p = argparse.ArgumentParser(description=__doc__,
@@ -274,6 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("--zenflow-topk", type=float, default=0.1)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--rows", nargs="+", default=["ds-adam", "ds-zenflow"])
+    p.add_argument("--deadline-at", type=float, default=0,
+                   help="epoch seconds: a run that would end after it (by the last run of its "
+                        "row, else the pretraining's time) is skipped and recorded as such")
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -306,28 +321,37 @@ def main(argv=None) -> int:
     trainer.release(engine)
     save()
     train_docs = split_range(len(fine), "85,15,0", 0)
+    took = {}
     for seed in a.seeds:
         for row in a.rows:
             start = time.time()
             run = {"row": row, "seed": seed, "framework": "deepspeed", "engine": a.engine}
+            guess = took.get(row, result["pretrain"]["seconds"])
+            if a.deadline_at and start + guess > a.deadline_at:
+                run.update(returncode=None, skipped=True, curves={})
+                result["runs"].append(run)
+                save()
+                print(f"[ds_finetune] {row} seed {seed}: skipped (deadline)", flush=True)
+                continue
             try:
                 engine, opt = trainer.engine(trainer.model(weights), zenflow=row == "ds-zenflow")
                 run["curves"] = trainer.train(
                     engine, opt, Batches(fine, train_docs, a.seq, a.micro_batch, seed),
                     a.finetune_iters, a.finetune_lr, valid, a.eval_interval)
                 run["returncode"] = 0
+                run["selective_steps"] = selective_steps(opt)
                 trainer.release(engine)
             except Exception:  # a failed run is recorded; the others go on
                 run["returncode"], run["error"] = 1, traceback.format_exc()[-3000:]
                 run.setdefault("curves", {})
                 print(run["error"], flush=True)
-            run["process_s"] = round(time.time() - start, 1)
+            run["process_s"] = took[row] = round(time.time() - start, 1)
             result["runs"].append(run)
             save()
             losses = run["curves"].get("eval_loss") or [None]
             print(f"[ds_finetune] {row} seed {seed}: final val loss {losses[-1]}, "
                   f"{run['process_s']} s", flush=True)
-    return 0 if all(r["returncode"] == 0 for r in result["runs"]) else 1
+    return 0 if all(r["returncode"] == 0 or r.get("skipped") for r in result["runs"]) else 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #   OUT=/dir PART=ours bash bench/gpu_zenflow_finetune.sh        # adam, zenflow x seeds 1 2 3
 #   OUT=/dir PART=ours-extra bash bench/gpu_zenflow_finetune.sh  # adam s1, zenflow-auto, -paper
 #   OUT=/dir PART=deepspeed bash bench/gpu_zenflow_finetune.sh   # ds-adam, ds-zenflow x 3 seeds
-# ARGS: more bench/zenflow_finetune.py flags (e.g. "--seeds 1 2 --finetune-iters 80").
+# ARGS: more bench/zenflow_finetune.py flags (e.g. "--seeds 1 2 --finetune-iters 80");
+# LIMIT_S: seconds after which no run starts that would not end (default 540).
 # Writes into $OUT: machine.txt, finetune.log (every command and its output), runs.json,
 # summary.md, summary.csv, val_loss.png (if matplotlib is there), ds_setup.txt (deepspeed).
 #
@@ -30,8 +31,11 @@ if [ "$PART" = deepspeed ]; then
   tail -1 "$OUT/ds_setup.txt"
   EXTRA=(--ds-bundle .peers/deepspeed)
 fi
-echo "== zenflow_finetune.py --part $PART ${ARGS:-} ($(date -u +%H:%M:%S))"
+# Runs that would end after ~9 min from the call's start (LIMIT_S, by the last run's time)
+# are skipped and recorded as skipped: the call ends with whole runs and its files.
+DEADLINE=$(( ${LIMIT_S:-540} - SECONDS ))
+echo "== zenflow_finetune.py --part $PART ${ARGS:-} --deadline $DEADLINE ($(date -u +%H:%M:%S))"
 # shellcheck disable=SC2086
 python3 bench/zenflow_finetune.py --part "$PART" --output-dir "$OUT" --work-dir /tmp/zf-finetune \
-    "${EXTRA[@]}" ${ARGS:-} 2>&1 | tail -40
+    --deadline "$DEADLINE" "${EXTRA[@]}" ${ARGS:-} 2>&1 | tail -40
 echo "== done ($(date -u +%H:%M:%S))"

@@ -149,7 +149,7 @@ def summarize(runs: Sequence[dict]) -> List[dict]:
     table = []
     for row in sorted(by_row, key=lambda r: (list(ROWS).index(r) if r in ROWS else 99, r)):
         mine = by_row[row]
-        finals = {r["seed"]: final_loss(r) for r in mine}
+        finals = {r["seed"]: final_loss(r) for r in mine if not r.get("skipped")}
         ok = {s: v for s, v in finals.items() if v is not None}
         adam_row = ADAM_OF.get(ROWS.get(row, ("", []))[0], "")
         adam = {r["seed"]: final_loss(r) for r in by_row.get(adam_row, [])}
@@ -165,6 +165,7 @@ def summarize(runs: Sequence[dict]) -> List[dict]:
         entry = {"row": row, "framework": ROWS.get(row, ("?", []))[0],
                  "seeds": sorted(finals), "failed": sorted(s for s, v in finals.items()
                                                            if v is None),
+                 "skipped": sorted(r["seed"] for r in mine if r.get("skipped")),
                  "final_val_loss": _stats(list(ok.values())),
                  "gap_to_adam": _stats(paired) if row != adam_row else None,
                  "adam_spread": (max(adam.values()) - min(adam.values())) if adam else None,
@@ -192,7 +193,8 @@ def markdown(table: Sequence[dict]) -> str:
         f, g = e["final_val_loss"], e["gap_to_adam"]
         gap = "-" if not g or not g.get("n") else \
             f"{g['mean']:+.4f} ({g['min']:+.4f}, {g['max']:+.4f})"
-        seeds = f"{f.get('n', 0)}" + (f" ({len(e['failed'])} failed)" if e["failed"] else "")
+        seeds = f"{f.get('n', 0)}" + (f" ({len(e['failed'])} failed)" if e["failed"] else "") \
+            + (f" ({len(e['skipped'])} skipped)" if e.get("skipped") else "")
         lines.append(f"| {e['row']} | {seeds} | {_num(f.get('mean'))} | {_num(f.get('min'))} | "
                      f"{_num(f.get('max'))} | {_num(f.get('std'))} | {gap} | "
                      f"{_num(e['adam_spread'])} | {_num(e['step_mean_s'], '.3f')} | "
@@ -391,6 +393,8 @@ def deepspeed_runs(a, data: Dict[str, str], work: Path, log_path: Path) -> List[
            "--seeds", *a.seeds, "--engine", a.ds_engine, "--work-dir", work / "ds",
            "--zenflow-topk", "0.1", "--zenflow-update-interval", "4",
            "--zenflow-select-interval", "100"]
+    if a.deadline:
+        cmd += ["--deadline-at", str(a.started + a.deadline)]
     if a.ds_bundle:
         cmd = ["bash", "-c", 'source "$0" && exec "$@"', f"{a.ds_bundle}/env.sh", *cmd]
     status = _run(cmd, log_path, timeout=a.timeout * (2 + 2 * len(a.seeds)))
@@ -458,6 +462,10 @@ def parse(argv=None):
                    help="the DeepSpeed bundle whose env.sh the DeepSpeed part runs under")
     p.add_argument("--ds-engine", default="deepspeed", choices=("deepspeed", "torch"),
                    help="torch: bench/ds_finetune.py's plain-PyTorch stand-in (CPU smoke test)")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="seconds from the start: a run that would end after it (by the last "
+                        "run's time) is skipped and recorded as such, so that a call with a "
+                        "time limit ends with whole runs (0: none)")
     p.add_argument("--plot-only", action="store_true",
                    help="redraw val_loss.png and the tables from --output-dir/runs.json")
     a = p.parse_args(argv)
@@ -495,7 +503,7 @@ def main(argv=None) -> int:
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     log_path = out / "finetune.log"
-    start = time.time()
+    start = a.started = time.time()
     data = build_data(a, work, log_path)
     log(f"data ready ({time.time() - start:.0f} s)")
     runs: List[dict] = []
@@ -510,13 +518,21 @@ def main(argv=None) -> int:
         else:
             plan = [("adam", a.seeds[0]), ("zenflow-auto", a.seeds[0]),
                     ("zenflow-paper", a.seeds[0])]
+        last = 0.0
         for row, seed in plan:
+            if a.deadline and time.time() - start + last > a.deadline:
+                log(f"{row} seed {seed}: skipped, it would end after --deadline {a.deadline} s")
+                runs.append({"row": row, "seed": seed, "framework": "megatron_ext",
+                             "returncode": None, "skipped": True, "curves": {}})
+                continue
+            began = time.time()
             runs.append(finetune(a, row, seed, data, ckpt, work, log_path))
+            last = time.time() - began
             # After every run: a call killed at its time limit keeps the finished ones.
             report(runs, a, out, final=False)
     report(runs, a, out)
     log(f"done ({time.time() - start:.0f} s)")
-    return 0 if runs and all(r.get("returncode") == 0 for r in runs) else 1
+    return 0 if runs and all(r.get("returncode") == 0 or r.get("skipped") for r in runs) else 1
 
 
 if __name__ == "__main__":

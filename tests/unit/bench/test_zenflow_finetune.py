@@ -48,6 +48,8 @@ def test_summary_pairs_each_zenflow_with_its_own_frameworks_adam_by_seed():
             _run("zenflow", 2, 2.25, 0.6, 0.5), _run("ds-adam", 1, 3.0, 1.0),
             _run("ds-zenflow", 1, 3.5, 2.0), _run("ds-zenflow", 2, 3.9, 2.0)]
     runs.append({"row": "zenflow-auto", "seed": 1, "returncode": 1, "curves": {}})
+    runs.append({"row": "zenflow-auto", "seed": 2, "returncode": None, "skipped": True,
+                 "curves": {}})
     table = {e["row"]: e for e in zf.summarize(runs)}
     assert list(table) == ["adam", "zenflow", "zenflow-auto", "ds-adam", "ds-zenflow"]
     z = table["zenflow"]
@@ -63,10 +65,10 @@ def test_summary_pairs_each_zenflow_with_its_own_frameworks_adam_by_seed():
     ds = table["ds-zenflow"]
     assert ds["gap_to_adam"]["n"] == 1 and ds["gap_to_adam"]["mean"] == pytest.approx(0.5)
     assert ds["step_vs_adam"] == pytest.approx(2.0)
-    assert table["zenflow-auto"]["failed"] == [1]
+    assert table["zenflow-auto"]["failed"] == [1] and table["zenflow-auto"]["skipped"] == [2]
     text = zf.markdown(zf.summarize(runs))
     assert "| zenflow | 2 | 2.1500 |" in text and "+0.1000 (+0.0500, +0.1500)" in text
-    assert "| zenflow-auto | 0 (1 failed) |" in text
+    assert "| zenflow-auto | 0 (1 failed) (1 skipped) |" in text
 
 
 def test_report_writes_the_files_and_plot_only_redraws_them(tmp_path):
