@@ -246,6 +246,9 @@ class Trainer:
         if proc is not None:
             proc.terminate()
             proc.join(timeout=30)
+        destroy = getattr(engine, "destroy", None)  # DeepSpeed's engine: its hooks and buffers
+        if callable(destroy):
+            destroy()
         del engine, opt
         gc.collect()
         if self.device.type == "cuda":
@@ -341,6 +344,7 @@ def main(argv=None) -> int:
                 run["returncode"] = 0
                 run["selective_steps"] = selective_steps(opt)
                 trainer.release(engine)
+                del engine, opt  # the next run's engine starts without this one's memory
             except Exception:  # a failed run is recorded; the others go on
                 run["returncode"], run["error"] = 1, traceback.format_exc()[-3000:]
                 run.setdefault("curves", {})
