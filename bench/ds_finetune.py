@@ -222,6 +222,13 @@ class Trainer:
         curves = {"iteration": [], "train_loss": [], "step_s": [], "eval_iteration": [],
                   "eval_loss": [], "eval_wall_s": []}
         wall = 0.0
+        if valid is not None:
+            # Step 0: the weights as the engine holds them before any update. Every row starts
+            # from the same pretrained weights, so a row whose step-0 loss differs has had them
+            # changed by its engine's set-up (seen with ZenFlow on DeepSpeed's CPU accelerator).
+            curves["eval_iteration"].append(0)
+            curves["eval_loss"].append(self.evaluate(engine, valid))
+            curves["eval_wall_s"].append(0.0)
         for it in range(1, iters + 1):
             batch = batches.next()
             self.sync()
@@ -246,9 +253,6 @@ class Trainer:
         if proc is not None:
             proc.terminate()
             proc.join(timeout=30)
-        destroy = getattr(engine, "destroy", None)  # DeepSpeed's engine: its hooks and buffers
-        if callable(destroy):
-            destroy()
         del engine, opt
         gc.collect()
         if self.device.type == "cuda":

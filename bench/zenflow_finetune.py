@@ -162,7 +162,11 @@ def summarize(runs: Sequence[dict]) -> List[dict]:
         rhos = [x for r in mine for x in r.get("curves", {}).get("rho", []) if x is not None]
         kept = [x for r in mine for x in r.get("curves", {}).get("retention", [])
                 if x is not None and math.isfinite(x)]
+        # DeepSpeed's rows evaluate at step 0 too: every row starts from the same weights.
+        start = [r["curves"]["eval_loss"][0] for r in mine
+                 if (r.get("curves") or {}).get("eval_iteration", [None])[:1] == [0]]
         entry = {"row": row, "framework": ROWS.get(row, ("?", []))[0],
+                 "step0_val_loss": statistics.fmean(start) if start else None,
                  "seeds": sorted(finals), "failed": sorted(s for s, v in finals.items()
                                                            if v is None),
                  "skipped": sorted(r["seed"] for r in mine if r.get("skipped")),
@@ -187,8 +191,8 @@ def markdown(table: Sequence[dict]) -> str:
     """The summary as a markdown table."""
     lines = ["| row | seeds | final val loss mean | min | max | std | gap to its Adam "
              "(paired mean, min, max) | Adam's spread | step mean s | x its Adam | "
-             "rho mean | retention |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "rho mean | retention | val loss at step 0 |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for e in table:
         f, g = e["final_val_loss"], e["gap_to_adam"]
         gap = "-" if not g or not g.get("n") else \
@@ -199,7 +203,7 @@ def markdown(table: Sequence[dict]) -> str:
                      f"{_num(f.get('max'))} | {_num(f.get('std'))} | {gap} | "
                      f"{_num(e['adam_spread'])} | {_num(e['step_mean_s'], '.3f')} | "
                      f"{_num(e['step_vs_adam'], '.2f')} | {_num(e['rho_mean'], '.3f')} | "
-                     f"{_num(e['retention_mean'], '.3f')} |")
+                     f"{_num(e['retention_mean'], '.3f')} | {_num(e.get('step0_val_loss'))} |")
     return "\n".join(lines) + "\n"
 
 

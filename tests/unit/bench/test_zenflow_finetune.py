@@ -60,7 +60,7 @@ def test_summary_pairs_each_zenflow_with_its_own_frameworks_adam_by_seed():
     assert z["adam_spread"] == pytest.approx(0.10)
     assert z["step_vs_adam"] == pytest.approx(1.2)
     assert z["rho_mean"] == pytest.approx(0.6) and z["retention_mean"] == pytest.approx(0.5)
-    assert table["adam"]["gap_to_adam"] is None
+    assert table["adam"]["gap_to_adam"] is None and table["adam"]["step0_val_loss"] is None
     # DeepSpeed's ZenFlow against DeepSpeed's Adam, seed 2 has no Adam to pair with.
     ds = table["ds-zenflow"]
     assert ds["gap_to_adam"]["n"] == 1 and ds["gap_to_adam"]["mean"] == pytest.approx(0.5)
@@ -69,6 +69,15 @@ def test_summary_pairs_each_zenflow_with_its_own_frameworks_adam_by_seed():
     text = zf.markdown(zf.summarize(runs))
     assert "| zenflow | 2 | 2.1500 |" in text and "+0.1000 (+0.0500, +0.1500)" in text
     assert "| zenflow-auto | 0 (1 failed) (1 skipped) |" in text
+
+
+def test_step0_loss_is_reported_where_a_row_evaluated_before_training():
+    run = _run("ds-zenflow", 1, 3.0)
+    run["curves"]["eval_iteration"].insert(0, 0)
+    run["curves"]["eval_loss"].insert(0, 5.5)
+    entry = zf.summarize([run])[0]
+    assert entry["step0_val_loss"] == 5.5 and entry["final_val_loss"]["mean"] == 3.0
+    assert zf.markdown([entry]).rstrip().endswith("| 5.5000 |")
 
 
 def test_report_writes_the_files_and_plot_only_redraws_them(tmp_path):
