@@ -149,7 +149,9 @@ class OffloadEngine:
         self.streamed = stream_updater(self.on_device, self.store, cfg.offload_gpu_update)
         if is_cuda and plan.device_auto:
             # megatron-core's optimizer made fp32 masters of the whole shard on the device
-            # and the base class freed them: that transient is no training peak.
+            # and the base class freed them: that transient is no training peak (nor are
+            # their cached blocks: the first sizing measures the reserved peak).
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         grads = gradient_source(cfg.offload_delayed_grad_conversion, self.params,
                                 self.subgroups, self.max_numel, device=device,
