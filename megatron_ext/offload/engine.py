@@ -297,8 +297,29 @@ class OffloadEngine:
         The fill runs opposite to the next step's order, so that step starts on the
         subgroups that stayed in the cache.
         """
-        self.store.fill(sources, list(reversed(self.order(self.step_count + 1))))
+        self.store.fill(sources, self.fill_order(self.step_count))
         self.initialized = True
+
+    def fill_order(self, step: int) -> List[int]:
+        """The order a fill at ``step`` writes the subgroups: opposite to the next step's."""
+        return list(reversed(self.order(step + 1)))
+
+    def subgroups_of(self, param: int, start: int, length: int) -> List[int]:
+        """Subgroups holding elements ``[start, start + length)`` of shard parameter ``param``."""
+        return [index for index, sg in enumerate(self.subgroups) for piece in sg.pieces
+                if piece.param == param and piece.start < start + length
+                and start < piece.start + piece.length]
+
+    def release(self, index: int) -> None:
+        """Frees subgroup ``index``'s host buffer for good.
+
+        A replaced engine's subgroup after its last read (ZenFlow's re-selection). Its
+        file, if any, stays until :meth:`close`; the engine must not read it again.
+        """
+        if index in self.store.cache:
+            self.store.settle(index)
+            self.write_back.wait_readers()
+            self.store.cache.discard(self.store.cache.pop(index).buffer)
 
     def initialize_from_model(self) -> None:
         """fp32 masters from the model's current weights; zero moments."""

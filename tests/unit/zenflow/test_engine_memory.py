@@ -99,3 +99,73 @@ def test_shared_accumulator_keeps_a_partial_window():
         assert worker.acc[0][0] is worker.acc[1][0]
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("rows_elements", [1, 16])
+def test_reselection_in_the_host_cache_holds_about_one_copy_of_the_states(monkeypatch,
+                                                                         rows_elements):
+    """--zenflow-cpu-states tiers with every subgroup in the host cache (no paths, the
+    Llama-3-8B run's placement): a re-selection fills a new engine from the old one and
+    frees each old subgroup after its last read, so the host holds about one copy of the
+    CPU side's states, not two (73 GB more at step 100 on the H200); the states stay
+    the reference's bit for bit, whatever the row blocks the segments move in."""
+    from megatron_ext.zenflow import moves
+    from tests.unit.zenflow import test_engine
+
+    monkeypatch.setattr(moves, "ROWS_ELEMENTS", rows_elements, raising=False)
+    # Shards of whole rows (a rank's shard at DP=1): every matrix keeps its number of
+    # delayed columns, so the new states' rows lie where the old ones' did.
+    monkeypatch.setattr(test_engine, "PARAMS", [
+        ((12, 10), 0, (0.0, 1.0)), ((13,), 1, (0.0, 1.0)), ((9, 7), 1, (1 / 3, 1.0)),
+        ((5,), 0, (0.2, 0.8)), ((16, 8), 0, (0.25, 0.75))])
+    from megatron_ext.offload.cache import HostCache
+    from megatron_ext.offload.config import OffloadConfig
+    from megatron_ext.offload.engine import OffloadEngine
+    from tests.unit.zenflow.test_engine import assert_same, run_both
+
+    made, closed, peaks = [], set(), {}
+    live = {"max": 0}
+
+    def buffers() -> int:  # host buffers of the engines not closed
+        return sum(e.cache.allocated for i, e in enumerate(made) if i not in closed)
+    allocate = HostCache.allocate
+
+    def counting_allocate(self):
+        buffer = allocate(self)
+        live["max"] = max(live["max"], buffers())
+        return buffer
+    monkeypatch.setattr(HostCache, "allocate", counting_allocate)
+    cfg = OffloadConfig(offload_optimizer=True, offload_subgroup_size=7)
+
+    def make(params, generation=0):
+        if made:  # a re-selection: the previous engine's buffers are all live
+            peaks[len(made)] = [buffers()]
+            live["max"] = buffers()
+        engine = OffloadEngine(cfg, params, rank=0, device=torch.device("cpu"), tiers=[],
+                               run_id=f"test.selection{generation}",
+                               model_dtype=torch.bfloat16, grad_dtype=torch.float32)
+        made.append(engine)
+        return engine
+
+    original_close = OffloadEngine.close
+
+    def closing(self, remove_files=True):
+        index = next((i for i, e in enumerate(made) if e is self), None)
+        if index is not None and index + 1 in peaks:  # the replaced engine closes
+            peaks[index + 1].append(live["max"])
+            closed.add(index)
+        original_close(self, remove_files)
+    monkeypatch.setattr(OffloadEngine, "close", closing)
+    zen = ZenFlowConfig(zenflow=True, **CASES["S3-k0.25-reselect6-warmup2"])
+    engine, shards, ref, _ = run_both(zen, torch.bfloat16, steps=14, keep_open=True,
+                                      make_cpu_engine=make)
+    try:
+        assert_same(engine, shards, ref)
+        assert len(peaks) >= 2, peaks
+        # The old engine's buffers and a few more while the new one fills, not both: the
+        # subgroup being filled (allocated before its fill releases anything) and the old
+        # ones the rows it reads straddle (here rows of 6-8 elements, subgroups of 7).
+        for generation, (before, peak) in peaks.items():
+            assert before >= 20 and peak <= before + 4, (generation, before, peak)
+    finally:
+        engine.close()
