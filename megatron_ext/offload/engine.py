@@ -291,13 +291,14 @@ class OffloadEngine:
 
     # ----------------------------------------------------------------- initialization
 
-    def _fill(self, sources: Callable[[int, torch.Tensor], None]) -> None:
+    def _fill(self, sources: Callable[[int, torch.Tensor], None],
+              before: Optional[Callable[[int], None]] = None) -> None:
         """Fills every subgroup's state, writing out what the cache cannot keep.
 
         The fill runs opposite to the next step's order, so that step starts on the
         subgroups that stayed in the cache.
         """
-        self.store.fill(sources, self.fill_order(self.step_count))
+        self.store.fill(sources, self.fill_order(self.step_count), before=before)
         self.initialized = True
 
     def fill_order(self, step: int) -> List[int]:
@@ -330,7 +331,8 @@ class OffloadEngine:
         self.initialize_from(fill)
 
     def initialize_from(self, fill: Callable[[int, int, int, List[torch.Tensor]], None],
-                        step: int = 0) -> None:
+                        step: int = 0, before: Optional[Callable[[int], None]] = None
+                        ) -> None:
         """Every state from ``fill(param, start, length, [master, exp_avg, exp_avg_sq])``.
 
         ``fill`` writes elements ``[start, start + length)`` of shard parameter ``param``
@@ -339,6 +341,7 @@ class OffloadEngine:
         written out as it goes. ``step``: the Adam steps the states have taken (their bias
         correction continues from it). With remainders the params' ``out`` become the bf16
         weights of the masters (the other half of each master).
+        ``before(index)`` is called before subgroup ``index`` takes a buffer.
         """
         self.step_count = step
         self.store.version = [step] * len(self.subgroups)
@@ -356,7 +359,7 @@ class OffloadEngine:
             if remainders:
                 store_masters(self.layout, views, master[:sg.numel], weights[:sg.numel])
                 scatter(self.params, sg, weights[:sg.numel])
-        self._fill(source)
+        self._fill(source, before)
 
     def full_states(self, index: int) -> List[torch.Tensor]:
         """Subgroup ``index``'s [master, exp_avg, exp_avg_sq] as the math sees them (copies).

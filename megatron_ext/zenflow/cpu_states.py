@@ -329,11 +329,11 @@ class TieredCpuStates(CpuStates):
             if sizes:
                 self.engine = self._new_engine(sizes, upload)
                 step = old.step_count if old is not None else 0
-                if old is not None and reads is not None:
-                    fill = _releasing(fill, self.engine, step, groups, old, old_groups, reads)
+                before = (_releasing(self.engine, step, groups, old, old_groups, reads)
+                          if old is not None and reads is not None else None)
                 self.engine.initialize_from(
                     lambda param, start, length, views: fill(groups[param], start, length,
-                                                             views), step=step)
+                                                             views), step=step, before=before)
             else:
                 self.engine = None
         finally:
@@ -399,22 +399,20 @@ class TieredCpuStates(CpuStates):
             self.engine.close()
 
 
-def _releasing(fill: Fill, new, step: int, groups: List[int], old, old_groups: List[int],
-               reads: Callable) -> Fill:
-    """``fill`` that frees the old engine's subgroups once no later fill reads them.
+def _releasing(new, step: int, groups: List[int], old, old_groups: List[int],
+               reads: Callable) -> Callable[[int], None]:
+    """The new engine's fill's ``before(index)``: frees old subgroups no later fill reads.
 
-    The new engine fills its subgroups in a known order (``fill_order``), a piece at a
-    time; ``reads`` says which old elements each piece's fill reads. An old subgroup is
-    released (:meth:`OffloadEngine.release`) when the fill reaches the first new subgroup
-    after its last reader; one no fill reads (all of it moved to the GPU side), at once.
+    The new engine fills its subgroups in a known order (``fill_order``); ``reads`` says
+    which old elements each of its pieces' fill reads. Before a new subgroup takes its
+    buffer, every old subgroup whose last reader came earlier is released
+    (:meth:`OffloadEngine.release`); one no fill reads (all of it moved to the GPU
+    side), before the first.
     """
-    order = new.fill_order(step)
-    position = {index: k for k, index in enumerate(order)}
-    where = {}  # (param, start) of a new piece -> its subgroup's place in the fill order
+    position = {index: k for k, index in enumerate(new.fill_order(step))}
     last = {index: -1 for index in range(len(old.subgroups))}
     for index, sg in enumerate(new.subgroups):
         for piece in sg.pieces:
-            where[(piece.param, piece.start)] = position[index]
             # The old pieces a new piece reads lie together (both sides' buffers follow
             # the model's order): one covering range per old group.
             spans: Dict[int, List[int]] = {}
@@ -427,17 +425,14 @@ def _releasing(fill: Fill, new, step: int, groups: List[int], old, old_groups: L
     by_place: Dict[int, List[int]] = {}
     for old_index, k in last.items():
         by_place.setdefault(k, []).append(old_index)
-    state = {"done": -2}
+    done = [-2]
 
-    def releasing(group: int, start: int, length: int, views: List[torch.Tensor]) -> None:
-        k = where.get((groups.index(group), start))
-        if k is not None:
-            while state["done"] < k - 1:
-                state["done"] += 1
-                for old_index in by_place.get(state["done"], ()):
-                    old.release(old_index)
-        fill(group, start, length, views)
-    return releasing
+    def before(index: int) -> None:
+        while done[0] < position[index] - 1:
+            done[0] += 1
+            for old_index in by_place.get(done[0], ()):
+                old.release(old_index)
+    return before
 
 
 def offload_engines(offload_config, run_id: str, tiers, *, rank: int,
