@@ -154,7 +154,8 @@ class OffloadConfig:
     the memory plan's GPU budget (free memory less weights, gradients, the activation
     estimate and a reserve) before the first step, so the host cache and the paths need to
     hold only the rest; then sized again at the first step from the measured peak of
-    forward and backward (torch.cuda.max_memory_allocated) plus
+    forward and backward (the caching allocator's reserved peak, within the memory it can
+    hold: the CUDA context and other processes left out) plus
     --offload-device-reserve-gb, growing or shrinking; one log line says what it chose,
     and subgroups move back down to the host when a later peak would not fit. Without a
     budget from the plan, the first step sizes it alone. On a CPU run (no GPU) auto means

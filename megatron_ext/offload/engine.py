@@ -149,7 +149,9 @@ class OffloadEngine:
         self.streamed = stream_updater(self.on_device, self.store, cfg.offload_gpu_update)
         if is_cuda and plan.device_auto:
             # megatron-core's optimizer made fp32 masters of the whole shard on the device
-            # and the base class freed them: that transient is no training peak.
+            # and the base class freed them: that transient is no training peak (nor are
+            # their cached blocks: the first sizing measures the reserved peak).
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         grads = gradient_source(cfg.offload_delayed_grad_conversion, self.params,
                                 self.subgroups, self.max_numel, device=device,
@@ -289,14 +291,36 @@ class OffloadEngine:
 
     # ----------------------------------------------------------------- initialization
 
-    def _fill(self, sources: Callable[[int, torch.Tensor], None]) -> None:
+    def _fill(self, sources: Callable[[int, torch.Tensor], None],
+              before: Optional[Callable[[int], None]] = None) -> None:
         """Fills every subgroup's state, writing out what the cache cannot keep.
 
         The fill runs opposite to the next step's order, so that step starts on the
         subgroups that stayed in the cache.
         """
-        self.store.fill(sources, list(reversed(self.order(self.step_count + 1))))
+        self.store.fill(sources, self.fill_order(self.step_count), before=before)
         self.initialized = True
+
+    def fill_order(self, step: int) -> List[int]:
+        """The order a fill at ``step`` writes the subgroups: opposite to the next step's."""
+        return list(reversed(self.order(step + 1)))
+
+    def subgroups_of(self, param: int, start: int, length: int) -> List[int]:
+        """Subgroups holding elements ``[start, start + length)`` of shard parameter ``param``."""
+        return [index for index, sg in enumerate(self.subgroups) for piece in sg.pieces
+                if piece.param == param and piece.start < start + length
+                and start < piece.start + piece.length]
+
+    def release(self, index: int) -> None:
+        """Frees subgroup ``index``'s host buffer for good.
+
+        A replaced engine's subgroup after its last read (ZenFlow's re-selection). Its
+        file, if any, stays until :meth:`close`; the engine must not read it again.
+        """
+        if index in self.store.cache:
+            self.store.settle(index)
+            self.write_back.wait_readers()
+            self.store.cache.discard(self.store.cache.pop(index).buffer)
 
     def initialize_from_model(self) -> None:
         """fp32 masters from the model's current weights; zero moments."""
@@ -307,7 +331,8 @@ class OffloadEngine:
         self.initialize_from(fill)
 
     def initialize_from(self, fill: Callable[[int, int, int, List[torch.Tensor]], None],
-                        step: int = 0) -> None:
+                        step: int = 0, before: Optional[Callable[[int], None]] = None
+                        ) -> None:
         """Every state from ``fill(param, start, length, [master, exp_avg, exp_avg_sq])``.
 
         ``fill`` writes elements ``[start, start + length)`` of shard parameter ``param``
@@ -316,6 +341,7 @@ class OffloadEngine:
         written out as it goes. ``step``: the Adam steps the states have taken (their bias
         correction continues from it). With remainders the params' ``out`` become the bf16
         weights of the masters (the other half of each master).
+        ``before(index)`` is called before subgroup ``index`` takes a buffer.
         """
         self.step_count = step
         self.store.version = [step] * len(self.subgroups)
@@ -333,7 +359,7 @@ class OffloadEngine:
             if remainders:
                 store_masters(self.layout, views, master[:sg.numel], weights[:sg.numel])
                 scatter(self.params, sg, weights[:sg.numel])
-        self._fill(source)
+        self._fill(source, before)
 
     def full_states(self, index: int) -> List[torch.Tensor]:
         """Subgroup ``index``'s [master, exp_avg, exp_avg_sq] as the math sees them (copies).

@@ -325,11 +325,20 @@ class TierPlan:
     # ----------------------------------------------------------------- the device tier
 
     def memory(self, step_count: int, held_bytes: int = 0) -> Tuple[int, int]:
-        """(usable device bytes, peak allocated bytes of the iterations so far).
+        """(usable device bytes, peak bytes of the iterations so far).
 
         The peak counts the device tier's states as held, also when they are not allocated
         yet (``held_bytes``: the bytes of them that are; before the first step's fill,
         none), so that :meth:`resize_device` can take them out again.
+
+        On a GPU both are the caching allocator's view, not the device's: usable is what
+        this process's allocator can hold (its reserved bytes and the driver's free ones:
+        not the CUDA context, the libraries' or other processes' memory), the peak is its
+        reserved peak (the segments' slack beside the tensors included: the next iteration
+        needs it again). Llama-3-8B without recomputation (bench/results/2026-12-03c-h200,
+        call4): forward and backward allocated 85.75 GB at most while the process held
+        ~91 GB of the device; sized from the allocated peak and the device's 150.11 GB,
+        the tier left iteration 2 short of memory.
         """
         limit_gb = self.cfg.offload_device_memory_limit_gb
         if limit_gb is not None:
@@ -338,8 +347,9 @@ class TierPlan:
                 if step <= step_count + 1:
                     peak_gb = value
             return int(limit_gb * 1e9), int(peak_gb * 1e9) + self.device_bytes()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return (torch.cuda.mem_get_info(self.device)[1],
+        peak = torch.cuda.max_memory_reserved(self.device)
+        free = torch.cuda.mem_get_info(self.device)[0]
+        return (free + torch.cuda.memory_reserved(self.device),
                 peak - held_bytes + self.device_bytes())
 
     def resize_device(self, limit: int, peak: int) -> Tuple[List[int], List[int]]:

@@ -435,13 +435,18 @@ class SubgroupStore:
 
     # ----------------------------------------------------------------- filling and moving
 
-    def fill(self, sources: Callable[[int, torch.Tensor], None], order: Sequence[int]) -> None:
+    def fill(self, sources: Callable[[int, torch.Tensor], None], order: Sequence[int],
+             before: Optional[Callable[[int], None]] = None) -> None:
         """Fills every subgroup's state in ``order``, writing out what the cache cannot keep.
 
-        ``sources(index, buffer)`` writes subgroup ``index``'s state into a host buffer.
+        ``sources(index, buffer)`` writes subgroup ``index``'s state into a host buffer;
+        ``before(index)``, if given, is called first (a source frees what it no longer
+        needs before the buffer is taken).
         """
         staging = None
         for index in order:
+            if before is not None:
+                before(index)
             if self.plan.on_device(index):
                 # Through one host buffer: the sources write host memory.
                 if staging is None:

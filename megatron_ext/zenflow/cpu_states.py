@@ -13,7 +13,7 @@ after the same updates (and moves).
 from __future__ import annotations
 
 import abc
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -309,18 +309,31 @@ class TieredCpuStates(CpuStates):
         Both engines' files are on the paths while the states move (each engine under its
         own directory); the Adam step count carries over.
         """
+        self._replace(sizes, upload, fill)
+
+    def _replace(self, sizes: Dict[int, int], upload: Dict[int, torch.Tensor], fill: Fill,
+                 reads: Optional[Callable] = None) -> None:
+        """:meth:`replace`, freeing the old engine's host buffers after their last read.
+
+        ``reads(group, start, length)``: the old states' ranges that ``fill`` reads for
+        those new elements (``Move.old_cpu_reads``); None: the old engine is kept whole
+        until the new one is filled.
+        """
         old = self.engine
-        self._source = (old, sorted(self.sizes)) if old is not None else None
+        old_groups = sorted(self.sizes)
+        self._source = (old, old_groups) if old is not None else None
         self.generation += 1
         self.sizes = dict(sizes)
         groups = sorted(sizes)
         try:
             if sizes:
                 self.engine = self._new_engine(sizes, upload)
+                step = old.step_count if old is not None else 0
+                before = (_releasing(self.engine, step, groups, old, old_groups, reads)
+                          if old is not None and reads is not None else None)
                 self.engine.initialize_from(
                     lambda param, start, length, views: fill(groups[param], start, length,
-                                                             views),
-                    step=old.step_count if old is not None else 0)
+                                                             views), step=step, before=before)
             else:
                 self.engine = None
         finally:
@@ -331,11 +344,13 @@ class TieredCpuStates(CpuStates):
     def move(self, move: Move, renew: Renew) -> Dict[str, Dict[int, torch.Tensor]]:
         """Segment by segment (:meth:`~.moves.Move.segments`) into a new engine.
 
-        Nothing of the states' size enters host memory; the old engine is read while the
-        new one is filled (:meth:`replace`).
+        Nothing of the states' size enters host memory beside the old and the new
+        engine's buffers, and of the old engine's only those a later fill still reads:
+        each is freed after its last read (with every subgroup in the host cache, the
+        move holds about one copy of the states, not two).
         """
-        return move.segments(self.read,
-                             lambda sizes, fill: self.replace(sizes, renew(sizes), fill))
+        return move.segments(self.read, lambda sizes, fill: self._replace(
+            sizes, renew(sizes), fill, reads=move.old_cpu_reads))
 
     def state_dict(self) -> Dict[str, Dict[int, torch.Tensor]]:
         """What the rank file holds: with remainders, the bf16 weights beside them.
@@ -382,6 +397,42 @@ class TieredCpuStates(CpuStates):
         """Stops the engine (its tier files are removed)."""
         if self.engine is not None:
             self.engine.close()
+
+
+def _releasing(new, step: int, groups: List[int], old, old_groups: List[int],
+               reads: Callable) -> Callable[[int], None]:
+    """The new engine's fill's ``before(index)``: frees old subgroups no later fill reads.
+
+    The new engine fills its subgroups in a known order (``fill_order``); ``reads`` says
+    which old elements each of its pieces' fill reads. Before a new subgroup takes its
+    buffer, every old subgroup whose last reader came earlier is released
+    (:meth:`OffloadEngine.release`); one no fill reads (all of it moved to the GPU
+    side), before the first.
+    """
+    position = {index: k for k, index in enumerate(new.fill_order(step))}
+    last = {index: -1 for index in range(len(old.subgroups))}
+    for index, sg in enumerate(new.subgroups):
+        for piece in sg.pieces:
+            # The old pieces a new piece reads lie together (both sides' buffers follow
+            # the model's order): one covering range per old group.
+            spans: Dict[int, List[int]] = {}
+            for group, start, length in reads(groups[piece.param], piece.start, piece.length):
+                span = spans.setdefault(group, [start, start + length])
+                span[0], span[1] = min(span[0], start), max(span[1], start + length)
+            for group, (lo, hi) in spans.items():
+                for old_index in old.subgroups_of(old_groups.index(group), lo, hi - lo):
+                    last[old_index] = max(last[old_index], position[index])
+    by_place: Dict[int, List[int]] = {}
+    for old_index, k in last.items():
+        by_place.setdefault(k, []).append(old_index)
+    done = [-2]
+
+    def before(index: int) -> None:
+        while done[0] < position[index] - 1:
+            done[0] += 1
+            for old_index in by_place.get(done[0], ()):
+                old.release(old_index)
+    return before
 
 
 def offload_engines(offload_config, run_id: str, tiers, *, rank: int,

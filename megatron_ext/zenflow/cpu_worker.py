@@ -95,6 +95,8 @@ class CpuWorker:
         self._pinned: Dict[tuple, torch.Tensor] = {}
         self.pin_acc = False
         """Page-locked accumulators (set by :meth:`pin_accumulators`)."""
+        self.shared_acc = False
+        """Both windows' accumulators are one buffer (set by :meth:`share_accumulators`)."""
         self.last_update_s = 0.0
         """Thread time of the last finished CPU update (Adam over the delayed columns)."""
         self._scratch = threading.local()
@@ -168,20 +170,40 @@ class CpuWorker:
             return self._pinned_views(("acc", index), sizes, torch.float32)
         return {g: self._empty(n) for g, n in sizes.items()}
 
+    def share_accumulators(self) -> None:
+        """One host buffer for both windows' accumulators from now on (device accumulation).
+
+        There a window's mean arrives whole at its end (:meth:`deposit`), and the caller
+        copies it only once the previous window's update has read its own (it waits for
+        :meth:`wait_update` first): the host holds one fp32 copy of the delayed columns,
+        not two (the memory plan's "ZenFlow window mean"). The accumulator that holds a
+        partial window (a checkpoint's) keeps its content.
+        """
+        if self.shared_acc:
+            return
+        live = [index for index, steps in enumerate(self.acc_steps) if steps]
+        if len(live) > 1:  # two windows' sums (never between windows): keep both
+            return
+        self.shared_acc = True
+        keep = live[0] if live else 0
+        self.acc[0], self.acc[1] = self.acc[keep], dict(self.acc[keep])
+
     def pin_accumulators(self) -> None:
         """Page-locked accumulators from now on (device accumulation on a GPU).
 
-        Their content is kept.
+        Their content is kept (one buffer for both after :meth:`share_accumulators`).
         """
         if self.pin_acc:
             return
         self.pin_acc = True
-        for index, store in enumerate(self.acc):
+        for index, store in enumerate(self.acc[:1] if self.shared_acc else self.acc):
             new = self._acc_buffers(index, {g: t.numel() for g, t in store.items()})
             for group, tensor in new.items():
                 tensor.copy_(store[group])
             store.clear()
             store.update(new)
+        if self.shared_acc:
+            self.acc[1] = dict(self.acc[0])
 
     def _guard_upload(self) -> None:
         if self.upload_guard is not None:
@@ -190,9 +212,10 @@ class CpuWorker:
     def _fresh_window_buffers(self, sizes: Dict[int, int]) -> None:
         """Zero accumulators and upload buffers of the per-group ``sizes``."""
         self._guard_upload()
-        for index, store in enumerate(self.acc):
+        for store in self.acc:  # the old buffers go before the new ones are allocated
             store.clear()
-            store.update(self._acc_buffers(index, sizes))
+        self.acc[0].update(self._acc_buffers(0, sizes))
+        self.acc[1].update(self.acc[0] if self.shared_acc else self._acc_buffers(1, sizes))
         self.upload = self._upload_buffers(sizes)
         self.acc_steps = [0, 0]
         self.acc_is_mean = [False, False]
@@ -412,7 +435,9 @@ class CpuWorker:
 
     def host_bytes(self) -> int:
         """Host memory of the states and accumulators."""
-        acc = sum(t.numel() * t.element_size() for s in self.acc for t in s.values())
+        # A shared accumulator (share_accumulators) counts once.
+        acc = sum(t.numel() * t.element_size()
+                  for t in {t.data_ptr(): t for s in self.acc for t in s.values()}.values())
         return self.states.host_bytes() + acc
 
     def _apply_adam(self, buffer: int, window: int, hparams: List[dict]) -> None:

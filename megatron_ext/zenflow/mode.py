@@ -76,7 +76,8 @@ class ZenFlowMode(Mode):
         ``--zenflow-accumulate device`` (auto: when the GPU has room for it and 1 GiB).
         Host: the accumulators (two fp32 windows and the staging slots; one fp32 mean
         with the device accumulator), the new weights, and the CPU side's fp32 master and
-        moments, unless they live in the offload tiers (``--zenflow-cpu-states``).
+        moments, unless they live in the offload tiers (``--zenflow-cpu-states``); and
+        what a re-selection holds besides them while the states move.
         """
         from megatron_ext.memory.shape import state_array_bytes, state_nbytes
         from megatron_ext.offload.mode import path_placement, path_reserve_bytes
@@ -108,6 +109,11 @@ class ZenFlowMode(Mode):
             biggest = min(off.offload_subgroup_size, max(1, delayed))
             host["offload pipeline"] = pipeline_host_bytes(biggest,
                                                            state_nbytes(arrays, biggest))
+            # A re-selection fills a new engine from the old one: its pipeline, and two
+            # subgroups beside the old states (the one being filled, and an old one whose
+            # rows it still reads; the others are freed after their last read).
+            host["ZenFlow re-selection"] = (host["offload pipeline"]
+                                            + 2 * state_nbytes(arrays, biggest))
             interval = zen.zenflow_update_interval
             tiered = TieredStates(
                 elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,
@@ -122,6 +128,10 @@ class ZenFlowMode(Mode):
                         "larger --zenflow-topk-ratio")
         else:
             host["ZenFlow CPU states"] = 12 * delayed
+            # A re-selection moves one kind of state at a time through whole fp32 copies
+            # of each param group's shards (Move.whole_groups): the kind's new CPU states,
+            # the group's whole shard and the GPU side's old kind, 8 B per shard element.
+            host["ZenFlow re-selection"] = 8 * n
             host_fix = ("use --zenflow-cpu-states tiers with --offload-paths DIR"
                         if off.offload_optimizer else
                         "add --offload-optimizer --offload-paths DIR (ZenFlow then keeps its "

@@ -31,6 +31,10 @@ from megatron_ext.zenflow.selection import Plan
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The three states of every element: the fp32 master and Adam's two moments."""
 
+ROWS_ELEMENTS = 1 << 22
+"""Elements of a matrix segment assembled at a time by :meth:`Move.segments` (its rows
+rounded down: 48 MB of fp32 states)."""
+
 Fill = Callable[[int, int, int, List[torch.Tensor]], None]
 """``fill(group, start, length, [master, exp_avg, exp_avg_sq])``: writes elements
 ``[start, start + length)`` of ``group``'s three states into the fp32 views."""
@@ -58,6 +62,25 @@ def _cut(piece, state: torch.Tensor) -> torch.Tensor:
     if piece.segment is None:
         return state
     return state.index_select(1, piece.index_on(torch.device("cpu"))).reshape(-1)
+
+
+def _blocks(piece, lo: int, hi: int):
+    """(r0, r1, flat start) of the row blocks that cover ``[lo, hi)`` of a piece's elements.
+
+    Blocks of ``ROWS_ELEMENTS`` aligned to the segment (neighbouring ranges share them);
+    one block of the whole piece for a 1-D parameter.
+    """
+    seg = piece.segment
+    if seg is None:
+        yield 0, 1, 0
+        return
+    cols = piece.length // seg.rows
+    step = max(1, ROWS_ELEMENTS // seg.width)
+    r = (lo // cols) // step * step
+    while r * cols < hi:
+        r1 = min(seg.rows, r + step)
+        yield r, r1, r * cols
+        r = r1
 
 
 @dataclasses.dataclass
@@ -110,50 +133,91 @@ class Move:
             old.clear()
         return self.gpu, cpu_new
 
+    def old_cpu_reads(self, group: int, start: int, length: int) -> List[Tuple[int, int, int]]:
+        """The CPU side's old states that :meth:`segments`' fill of these new ones reads.
+
+        ``(old group, start, length)`` of the rows of old CPU pieces that the new CPU
+        elements ``[start, start + length)`` of ``group`` are cut from (a source may free
+        what no later fill reads).
+        """
+        if not hasattr(self, "_old_cpu_units"):
+            self._old_cpu_units = _units(self.old_cpu)
+        out = []
+        for piece in self.new_cpu.pieces.get(group, ()):
+            lo, hi = max(start, piece.offset), min(start + length, piece.offset + piece.length)
+            if lo >= hi:
+                continue
+            unit = self._old_cpu_units.get(
+                (piece.shard, None if piece.segment is None else piece.segment.offset))
+            if unit is None or not unit[1].length:
+                continue
+            old = unit[1]
+            cols = 1 if old.segment is None else old.length // old.segment.rows
+            for r0, r1, _ in _blocks(piece, lo - piece.offset, hi - piece.offset):
+                if old.segment is None:
+                    out.append((unit[0], old.offset, old.length))
+                else:
+                    out.append((unit[0], old.offset + r0 * cols, (r1 - r0) * cols))
+        return out
+
     def segments(self, read: Read, replace: Replace) -> States:
         """The GPU side's new states; the CPU side's are written through ``replace``.
 
-        ``read``: the CPU side's old states (also while ``replace`` runs).
+        ``read``: the CPU side's old states (also while ``replace`` runs). A matrix
+        segment is assembled a block of rows at a time (``ROWS_ELEMENTS``): a rank's
+        whole embedding is one segment, whose three fp32 states and their parts would
+        otherwise be held whole (Llama-3-8B's: ~12 GB at once).
         """
         old_g, old_c = _units(self.old_gpu), _units(self.old_cpu)
         last: Dict[str, object] = {"key": None, "states": None}
 
-        def assemble(key: tuple) -> List[torch.Tensor]:
-            """The unit's master, exp_avg and exp_avg_sq, fp32, on the host.
+        def assemble(key: tuple, r0: int, r1: int) -> List[torch.Tensor]:
+            """Rows ``[r0, r1)`` of the unit's master, exp_avg and exp_avg_sq, fp32, host.
 
-            ``[rows, width]`` for a matrix segment, flat for a 1-D parameter.
+            ``[rows, width]`` for a matrix segment, flat (whole) for a 1-D parameter.
             """
-            if last["key"] == key:
+            if last["key"] == (key, r0, r1):
                 return last["states"]
             sources = [(side, unit) for side, unit in (("gpu", old_g.get(key)),
                                                         ("cpu", old_c.get(key)))
                        if unit is not None]
             first = sources[0][1][1]
             seg = first.segment
-            shape = (first.length,) if seg is None else (seg.rows, seg.width)
+            shape = (first.length,) if seg is None else (r1 - r0, seg.width)
             states = [torch.empty(shape, dtype=torch.float32) for _ in KINDS]
             for side, (group, piece) in sources:
+                if not piece.length:
+                    continue
+                cols = 1 if seg is None else piece.length // seg.rows
+                lo, n = (0, piece.length) if seg is None else (r0 * cols, (r1 - r0) * cols)
                 if side == "gpu":
-                    parts = [self.gpu[kind][group][piece.offset:piece.offset + piece.length]
+                    parts = [self.gpu[kind][group][piece.offset + lo:piece.offset + lo + n]
                              .cpu() for kind in KINDS]
                 else:
-                    parts = [torch.empty(piece.length) for _ in KINDS]
-                    read(group, piece.offset, piece.length, parts)
+                    parts = [torch.empty(n) for _ in KINDS]
+                    read(group, piece.offset + lo, n, parts)
                 for state, part in zip(states, parts):
                     if seg is None:
                         state.copy_(part)
                     else:
                         state.index_copy_(1, piece.index_on(torch.device("cpu")),
-                                          part.view(seg.rows, -1))
-            last["key"], last["states"] = key, states
+                                          part.view(r1 - r0, -1))
+            last["key"], last["states"] = (key, r0, r1), states
             return states
+
+        def key_of(piece) -> tuple:
+            return (piece.shard, None if piece.segment is None else piece.segment.offset)
 
         gpu_new = {kind: {g: torch.empty(n, dtype=torch.float32, device=self.device)
                           for g, n in self.new_gpu.sizes.items()} for kind in KINDS}
         for key, (group, piece) in _units(self.new_gpu).items():
-            for kind, state in zip(KINDS, assemble(key)):
-                gpu_new[kind][group][piece.offset:piece.offset + piece.length].copy_(
-                    _cut(piece, state))
+            if not piece.length:
+                continue
+            for r0, r1, at in _blocks(piece, 0, piece.length):
+                for kind, state in zip(KINDS, assemble(key, r0, r1)):
+                    cut = _cut(piece, state)
+                    start = piece.offset + at
+                    gpu_new[kind][group][start:start + cut.numel()].copy_(cut)
         new_pieces = {g: [(p.offset, p) for p in pieces]
                       for g, pieces in self.new_cpu.pieces.items()}
 
@@ -162,10 +226,12 @@ class Move:
                 lo, hi = max(start, offset), min(start + length, offset + piece.length)
                 if lo >= hi:
                     continue
-                key = (piece.shard, piece.segment.offset)
-                for view, state in zip(views, assemble(key)):
-                    view[lo - start:hi - start].copy_(
-                        _cut(piece, state)[lo - offset:hi - offset])
+                for r0, r1, at in _blocks(piece, lo - offset, hi - offset):
+                    cuts = [_cut(piece, state) for state in assemble(key_of(piece), r0, r1)]
+                    a = max(lo, offset + at)
+                    b = min(hi, offset + at + cuts[0].numel())
+                    for view, cut in zip(views, cuts):
+                        view[a - start:b - start].copy_(cut[a - offset - at:b - offset - at])
 
         replace(dict(self.new_cpu.sizes), fill)
         return gpu_new

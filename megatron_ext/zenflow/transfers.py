@@ -110,6 +110,8 @@ class DelayedGrads:
         if on_device:
             self.dev.add(grads, inv_scale, clip_coeff)
             if last:
+                if self.cpu.shared_acc:  # the previous window's update reads the buffer
+                    self.stats.wait(self.cpu.wait_update)
                 steps, ready = self.dev.drain(self.cpu.acc[buffer])
                 counts["d2h_bytes"] += self.dev.nbytes()
                 counts["d2h_copies"] += 1

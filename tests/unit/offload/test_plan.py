@@ -361,3 +361,32 @@ def test_rebalancing_stays_within_each_path_s_room(tmp_path):
         plan.observe_io(1, 10**8, 0.1)
         moves += plan.rebalance(bad_paths=set())
     assert moves == [] and plan.path_subgroups(1) == 4
+
+
+def test_the_first_step_sizes_the_device_tier_from_what_the_allocator_needed(monkeypatch):
+    """On a GPU the first sizing takes the caching allocator's reserved peak (the segments'
+    slack beside the tensors: the next iteration needs it again) within what the process
+    can hold (the CUDA context and other processes' memory left out): Llama-3-8B's first
+    iteration allocated 85.75 GB at most but held ~91 GB, and the tier sized from the
+    allocated peak and the device's whole memory left iteration 2 short (CUDA OOM,
+    bench/results/2026-12-03c-h200 call4)."""
+    total, context = 20 * SG, SG  # the device; memory outside the allocator
+    allocated, reserved_peak, reserved_now = 11 * SG, 13 * SG, 4 * SG
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: reserved_peak)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved_now)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (total - context - reserved_now, total))
+    cfg = OffloadConfig(offload_optimizer=True, offload_mem_available_gb=mem_gb(20),
+                        offload_host_reserve_gb=0.0, offload_device_reserve_gb=SG / 1e9)
+    plan = TierPlan(cfg, NUMELS, SIZES, SG, tiers=[], rank=0, device=torch.device("cuda", 0))
+    assert plan.device_auto and plan.device_members == []
+    limit, peak = plan.memory(step_count=0)
+    assert (limit, peak) == (total - context, reserved_peak)
+    joining, leaving = plan.resize_device(limit, peak)
+    for index in joining:
+        plan.join(index)
+    # The next iteration: its reserved peak beside the tier, and the reserve, fit in what the
+    # allocator can hold; the tier takes that room (19 - 1 - 13 kB: five subgroups).
+    assert reserved_peak + plan.device_bytes() + SG <= total - context
+    assert plan.device_bytes() == 5 * SG
