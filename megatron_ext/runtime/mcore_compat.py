@@ -136,7 +136,8 @@ def ddp_layout_kwargs(module, ddp_config, disable_bucketing: bool = False) -> di
 
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True,
                                                           partial_data_parallel=True)
-    expert_dp = parallel_state.get_expert_data_parallel_world_size(partial_expert_data_parallel=True)
+    expert_dp = parallel_state.get_expert_data_parallel_world_size(
+        partial_expert_data_parallel=True)
     params = [p for p in module.parameters() if p.requires_grad]
     layout = compute(params, _ddp_bucket_size(ddp_config, dp_size, disable_bucketing), dp_size,
                      ddp_config, expert_data_parallel_world_size=expert_dp)
