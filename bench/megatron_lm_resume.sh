@@ -10,7 +10,9 @@
 # Prints the loss curves and the iteration each side resumed at; logs go to $OUT
 # (this_project_*.log, megatron_lm_*.log, summary.txt).
 #
-# Usage (repository root; Megatron-LM's source, tag core_v0.16.1, in MLM_DIR):
+# Usage (repository root; Megatron-LM's source in MLM_DIR: tag core_v0.16.1, or core_v0.19.0
+# with MCORE=0.19.2, which bench/gpu_setup.sh reads: this project then runs on megatron-core
+# 0.19.2 and Megatron-LM on its tag's own megatron/core; docs/mcore_versions.md):
 #   on the GPU machine: MLM_DIR=/path/to/megatron-lm OUT=/some/dir bash bench/megatron_lm_resume.sh [N] [M]
 #     (needs .whl/ as bench/gpu_setup.sh installs it, with pydantic, pydantic_core,
 #     annotated-types and typing-inspection added: Megatron-LM's training imports pydantic)
@@ -19,7 +21,7 @@
 #     it compiles its dataset helpers, so pybind11 must be installed; the CPU checkpoints of
 #     this project hold no CUDA generator state, so Megatron-LM loads them with --no-load-rng)
 set -uo pipefail
-: "${MLM_DIR:?give MLM_DIR, the Megatron-LM source directory (tag core_v0.16.1)}"
+: "${MLM_DIR:?give MLM_DIR, the Megatron-LM source directory (tag core_v0.16.1 or core_v0.19.0)}"
 N="${1:-20}"
 M="${2:-10}"
 DEVICE="${DEVICE:-cuda}"

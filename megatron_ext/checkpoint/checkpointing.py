@@ -269,8 +269,9 @@ def save_checkpoint(root: str, train_state: TrainState, model_chunks, optimizer,
 def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int,
                 faults: Faults) -> None:
     """Writes this rank's files of a checkpoint into ``tmp``."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_ext.runtime import mcore_compat
 
     # megatron-core collects its writer processes' results through a multiprocessing
     # Manager (a server process of its own, started at the first save). A synchronous save
@@ -279,7 +280,7 @@ def _save_files(state: dict, tmp: str, optimizer, metadata: dict, iteration: int
     # less for the first save.
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(state, tmp, content_metadata=dict(metadata))
+    mcore_compat.save_checkpoint(state, tmp, content_metadata=dict(metadata))
     save_external_state(optimizer, tmp)
     faults.check_save(iteration)
     torch.distributed.barrier()
@@ -348,10 +349,8 @@ def latest_checkpoint(root: str) -> Optional[str]:
 
 def _read_common(path: str) -> dict:
     """The checkpoint's common state (weights_only: torch's default load)."""
-    from megatron.core import dist_checkpointing
-
     try:
-        return dist_checkpointing.load_common_state_dict(path)
+        return integrity.read_common_state(path)
     except Exception as err:  # noqa: BLE001 - an unverified checkpoint's damage, in one line
         if isinstance(err, UsageError):
             raise

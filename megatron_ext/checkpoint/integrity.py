@@ -288,10 +288,8 @@ def promises_manifest(directory: str) -> bool:
     Read with weights_only (megatron-core's loader, torch's default); a common state that
     cannot be read promises nothing here (the load then refuses it in one line).
     """
-    from megatron.core import dist_checkpointing
-
     try:
-        common = dist_checkpointing.load_common_state_dict(directory)
+        common = read_common_state(directory)
     except Exception:  # noqa: BLE001 - damaged or missing: the load names it
         return False
     return isinstance(common, dict) and common.get(COMMON_KEY) == MANIFEST
@@ -449,14 +447,17 @@ def weights_only_sharded_objects(directory: str):
     """Within: dist_checkpointing loads ShardedObjects with weights_only=True.
 
     ShardedObjects (Megatron-LM's ``rng_state``, the distributed optimizer's per-bucket
-    states) are pickled bytes inside the ``.distcp`` files, and torch.distributed.checkpoint's
-    load planner unpickles them with ``weights_only=False``: a planted object would run code.
-    Here megatron-core's planner reads them as :func:`safe_load` reads a file; one that holds
+    states, and since megatron-core 0.17 the common state itself) are pickled bytes inside
+    the ``.distcp`` files, and torch.distributed.checkpoint's load planner unpickles them
+    with ``weights_only=False``: a planted object would run code. Here the load planners
+    megatron-core uses (its MCoreLoadPlanner, and torch's default one with which 0.17+
+    reads the common state) read them as :func:`safe_load` reads a file; one that holds
     anything else is refused (a UsageError inside torch's CheckpointException: see
     :func:`usage_error_behind`).
     """
     from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     def load_bytes(self, read_item, value) -> None:
         fqn = read_item.dest_index.fqn
@@ -466,13 +467,28 @@ def weights_only_sharded_objects(directory: str):
         else:
             self.state_dict[fqn] = obj
 
-    had = "load_bytes" in MCoreLoadPlanner.__dict__
-    previous = MCoreLoadPlanner.__dict__.get("load_bytes")
-    MCoreLoadPlanner.load_bytes = load_bytes
+    saved = [(cls, cls.__dict__.get("load_bytes")) for cls in (MCoreLoadPlanner,
+                                                                 DefaultLoadPlanner)]
+    for cls, _ in saved:
+        cls.load_bytes = load_bytes
     try:
         yield
     finally:
-        if had:
-            MCoreLoadPlanner.load_bytes = previous
-        else:
-            del MCoreLoadPlanner.load_bytes
+        for cls, previous in saved:
+            if previous is not None:
+                cls.load_bytes = previous
+            else:
+                del cls.load_bytes
+
+
+def read_common_state(directory: str):
+    """The checkpoint's common state, every pickled object read weights_only.
+
+    From ``common.pt`` (megatron-core reads it with torch's default, weights_only) or,
+    in a checkpoint of megatron-core 0.17+ without one, from the ``common_state`` object
+    in its ``.distcp`` files (read through :func:`weights_only_sharded_objects`).
+    """
+    from megatron.core import dist_checkpointing
+
+    with weights_only_sharded_objects(directory):
+        return dist_checkpointing.load_common_state_dict(directory)

@@ -47,10 +47,12 @@ def resolve_checkpoint(load: str) -> str:
 
 def read_common(path: str) -> dict:
     """The common state of the checkpoint at ``path`` (an iteration folder)."""
-    from megatron.core import dist_checkpointing
+    from megatron_ext.checkpoint import integrity
 
     try:
-        return dist_checkpointing.load_common_state_dict(path)
+        return integrity.read_common_state(path)
+    except UsageError:
+        raise
     except Exception as err:  # noqa: BLE001 - any unreadable file is bad input here
         raise UsageError(f"--load {path}: cannot read the checkpoint's common state ({err})")
 
@@ -194,8 +196,13 @@ def load_weights(model, path: str) -> None:
     """Loads the model weights of the checkpoint at ``path`` into ``model`` (any layout)."""
     from megatron.core import dist_checkpointing
 
+    from megatron_ext.checkpoint import integrity
+
     try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        with integrity.weights_only_sharded_objects(path):
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    except UsageError:
+        raise
     except Exception as err:  # noqa: BLE001 - a shape or key mismatch is the user's input
         raise UsageError(f"--load {path}: the checkpoint's weights do not fit the model its "
                          f"settings describe ({str(err).splitlines()[0][:300]})")
@@ -228,10 +235,9 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
     Returns:
         the iteration folder.
     """
-    from megatron.core import dist_checkpointing
-
     from megatron_ext.checkpoint import checkpointing as ckpt
     from megatron_ext.checkpoint import integrity
+    from megatron_ext.runtime import mcore_compat
 
     final = ckpt.checkpoint_name(root, 0)
     tmp = final + ".tmp"
@@ -248,7 +254,7 @@ def save_weights_checkpoint(model, cfg, root: str) -> str:
         WEIGHTS_ONLY: True,
         integrity.COMMON_KEY: integrity.MANIFEST,
     }
-    dist_checkpointing.save(state, tmp)
+    mcore_compat.save_checkpoint(state, tmp)
     integrity.write_manifest(tmp)
     ckpt.publish(root, tmp, final, 0)
     return final

@@ -241,6 +241,8 @@ def build_model(cfg, runtime, vocab_size: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_ext.runtime import mcore_compat
+
     par = cfg.parallel
     vpp = cfg.virtual_pipeline_size()
     ddp_config = DistributedDataParallelConfig(
@@ -261,7 +263,9 @@ def build_model(cfg, runtime, vocab_size: int):
         # As Megatron-LM: only the first chunk's gradients are bucketed (the others' are
         # one bucket each, reduced when their last backward is done).
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
-                                      disable_bucketing=stage > 0)
+                                      disable_bucketing=stage > 0,
+                                      **mcore_compat.ddp_layout_kwargs(model, ddp_config,
+                                                                       stage > 0))
         if staged:  # the host copies are gone: DDP copied each into its buffer
             log.info("start-up: the weights are back on the GPU, in DDP's parameter buffer")
         # Same initial weights on every data-parallel rank.

@@ -329,7 +329,7 @@ def check_bound(optimizer, bound: type):
                 f"megatron-core's optimizer factory built {type(opt).__module__}."
                 f"{type(opt).__qualname__}, not the bound {bound.__name__}: this megatron-core "
                 "no longer builds its DistributedOptimizer through the name in "
-                "megatron.core.optimizer, where megatron_ext binds its optimizers (the "
-                "project is written for megatron-core 0.16)")
+                "megatron.core.optimizer, where megatron_ext binds its optimizers (this "
+                "project runs on megatron-core 0.16.1 up to 0.20)")
     return optimizer
 

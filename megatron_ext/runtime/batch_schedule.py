@@ -3,8 +3,8 @@
 Megatron-LM's OptimizerParamScheduler counts samples whatever the training length is given
 in: with --train-iters its warm-up, decay and weight-decay lengths are iterations x global
 batch, and each iteration steps it by the samples it consumed. :func:`scheduler_kwargs`
-gives those lengths (pure); :class:`BatchRamp` follows --rampup-batch-size with
-megatron-core's micro-batch calculator; :func:`train_iters_from_samples` is Megatron-LM's
+gives those lengths (pure); :class:`BatchRamp` follows --rampup-batch-size by
+Megatron-LM's rule (:func:`ramp_batch_size`); :func:`train_iters_from_samples` is Megatron-LM's
 ``update_train_iters``.
 """
 
@@ -50,13 +50,19 @@ def check_rampup(rampup: List[int], global_batch_size: int, per_step: int,
                          f"micro-batches ({interleaved_pp * per_step} samples)")
 
 
-def _ramp(rampup: List[int], global_batch_size: int):
-    """A megatron-core ramp calculator of its own (not the process-wide one), no logging."""
-    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+def ramp_batch_size(consumed: int, rampup: List[int], global_batch_size: int) -> int:
+    """The global batch after ``consumed`` samples under --rampup-batch-size. Pure.
 
+    Megatron-LM's rule (megatron-core 0.16's ramp calculator; 0.19 dropped the ramp and
+    ignores the flag, so it is kept here, the same on every megatron-core): the
+    (global - START) / INCR increments are spread evenly over the first SAMPLES samples,
+    one INCR per SAMPLES / increments samples; past SAMPLES the full global batch.
+    """
     start, incr, samples = rampup
-    return RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, 1, 1, False, -1, start,
-                                                    incr, samples)
+    if consumed > samples:
+        return global_batch_size
+    per_increment = samples / ((global_batch_size - start) // incr)
+    return start + int(consumed / per_increment) * incr
 
 
 def train_iters_from_samples(train_samples: int, global_batch_size: int,
@@ -69,11 +75,9 @@ def train_iters_from_samples(train_samples: int, global_batch_size: int,
     """
     if rampup is None:
         return train_samples // global_batch_size
-    ramp = _ramp(rampup, global_batch_size)
     iterations = consumed = 0
     while consumed <= rampup[2] and consumed <= train_samples:
-        ramp.update(consumed, consistency_check=False)
-        consumed += ramp.get_current_global_batch_size()
+        consumed += ramp_batch_size(consumed, rampup, global_batch_size)
         iterations += 1
     if train_samples > consumed:
         iterations += (train_samples - consumed) // global_batch_size
@@ -86,11 +90,9 @@ def train_samples_total(train) -> int:
         return 0
     if train.rampup_batch_size is None:
         return max(train.train_iters * train.global_batch_size, train.train_samples or 0)
-    ramp = _ramp(train.rampup_batch_size, train.global_batch_size)
     consumed = 0
     for _ in range(train.train_iters):
-        ramp.update(consumed, consistency_check=False)
-        consumed += ramp.get_current_global_batch_size()
+        consumed += ramp_batch_size(consumed, train.rampup_batch_size, train.global_batch_size)
     return max(consumed, train.train_samples or 0)
 
 
@@ -135,37 +137,38 @@ def scheduler_kwargs(cfg) -> dict:
 
 
 class BatchRamp:
-    """The micro-batches of each iteration: megatron-core's process-wide calculator.
+    """The global batch and micro-batches of each iteration.
 
-    Initialized as Megatron-LM does (``init_num_microbatches_calculator``), updated from
-    the consumed samples before each iteration, and released by :meth:`close` (it is
-    process-wide in megatron-core).
+    Constant, or the --rampup-batch-size ramp (:func:`ramp_batch_size`), updated from the
+    consumed samples before each iteration. The batch is checked as megatron-core's
+    calculator checks it: whole micro-batches on every DP rank.
     """
 
     def __init__(self, train, rank: int, dp: int):
-        from megatron.core import num_microbatches_calculator as nmc
-
-        self._nmc = nmc
-        nmc.destroy_num_microbatches_calculator()
-        nmc.init_num_microbatches_calculator(rank, train.rampup_batch_size,
-                                             train.global_batch_size, train.micro_batch_size,
-                                             dp, decrease_batch_size_if_needed=False)
+        self._rampup = train.rampup_batch_size
+        self._final = train.global_batch_size
+        self._per_step = train.micro_batch_size * dp
+        self._batch = self._final
 
     def update(self, consumed_samples: int) -> int:
         """Sets the batch of the iteration after ``consumed_samples``; its micro-batches."""
-        self._nmc.update_num_microbatches(consumed_samples, consistency_check=True)
-        return self._nmc.get_num_microbatches()
+        if self._rampup is not None:
+            self._batch = ramp_batch_size(consumed_samples, self._rampup, self._final)
+        if self._batch % self._per_step:
+            # check_rampup refuses such a ramp before the run; this is megatron-core's check.
+            raise RuntimeError(f"global batch {self._batch} is not a whole number of micro "
+                               f"batches x data-parallel size ({self._per_step})")
+        return self._batch // self._per_step
 
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per DP rank of the current iteration."""
-        return self._nmc.get_num_microbatches()
+        return self._batch // self._per_step
 
     @property
     def global_batch_size(self) -> int:
         """Samples of the current iteration over all DP ranks."""
-        return self._nmc.get_current_global_batch_size()
+        return self._batch
 
     def close(self) -> None:
-        """Releases megatron-core's process-wide calculator."""
-        self._nmc.destroy_num_microbatches_calculator()
+        """Nothing to release (kept for the loop's tidy-up)."""

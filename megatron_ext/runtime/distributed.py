@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from megatron_ext.errors import UsageError
-from megatron_ext.runtime import fatal, slurm
+from megatron_ext.runtime import fatal, mcore_compat, slurm
 
 BARE_RENDEZVOUS_S = 30.0
 """How long the ranks of a launch without torchrun or Slurm wait for each other at the
@@ -87,6 +87,7 @@ def initialize(cfg) -> Runtime:
     nccl on GPU, gloo on CPU. On the CPU the compatibility layer
     (:mod:`megatron_ext.runtime.cpu_compat`) is installed first.
     """
+    mcore_compat.check_version()
     rank, world, local = read_process_env()
     dp = cfg.check_world(world)
     device = resolve_device(cfg.runtime.device)

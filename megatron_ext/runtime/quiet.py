@@ -34,6 +34,11 @@ def quiet_optional_dependencies() -> None:
                     ".*absl.logging is not installed.*"):
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # The notices of one megatron-core version (its own deprecations) live with the
+    # other version differences.
+    from megatron_ext.runtime import mcore_compat
+
+    mcore_compat.quiet()
 
 
 def quiet_cuda_advice() -> None:
