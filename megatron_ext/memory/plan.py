@@ -11,8 +11,9 @@ line each with the numbers and the flag that fixes it.
 Tiered states (the offload engine's, ZenFlow's CPU side in the tiers) are placed as the
 engine places them: subgroups of ``--offload-subgroup-size`` elements, the device tier
 first (a fixed size, or ``auto``: :func:`device_budget_bytes`), the host cache next, the
-paths the rest in proportion to their bandwidths (the mode's own placement rule); when
-the paths are short, the host cache keeps the fewest subgroups that let the rest fit.
+paths the rest by the mode's placement rule (the engine's own function: in proportion to
+the bandwidths); when the paths are short, the host cache keeps the fewest subgroups that
+let the rest fit.
 """
 
 from __future__ import annotations
@@ -157,22 +158,6 @@ def _subgroup_sizes(states: TieredStates) -> List[int]:
     return [state_nbytes(states.arrays, numel) for numel in numels]
 
 
-def _proportional(sizes: List[int], weights: List[float], free: List[int]) -> List[int]:
-    """Each subgroup's path: the one furthest below its bandwidth share that has room."""
-    placed = [0] * len(weights)
-    total_weight = sum(weights) or 1.0
-    homes = []
-    for size in sizes:
-        order = sorted(range(len(weights)),
-                       key=lambda i: placed[i] - weights[i] / total_weight * sum(placed))
-        fits = [i for i in order if placed[i] + size <= free[i]]
-        if not fits:
-            raise ValueError("no room")
-        homes.append(fits[0])
-        placed[fits[0]] += size
-    return homes
-
-
 def _place_on_paths(states: TieredStates, sizes: List[int], hosted: List[int],
                     capacity: int, paths: List[Tier], free: List[int]
                     ) -> Tuple[Optional[List[int]], frozenset]:
@@ -191,8 +176,7 @@ def _place_on_paths(states: TieredStates, sizes: List[int], hosted: List[int],
         resident = frozenset(hosted[lo:lo + kept])
         others = [i for i in hosted if i not in resident]
         try:
-            place = states.place or _proportional
-            homes = place([sizes[i] for i in others], weights, free)
+            homes = states.place([sizes[i] for i in others], weights, free)
         except Exception as err:  # the mode's rule says it does not fit: one more kept
             if not isinstance(err, ValueError) and type(err).__name__ != "TierFullError":
                 raise

@@ -175,3 +175,21 @@ def test_paths_shared_by_the_ranks_of_a_node():
     machine = Machine("m", 10**11, 10**11, 8 * 10**11, ranks_per_node=8,
                       paths=(PathCapacity("/nvme", 8 * 10**12, 2.0, 2.0),))
     assert machine.host_share() == 10**11 and machine.path_share(0) == 10**12
+
+
+def test_tiered_states_carry_their_modes_placement():
+    """The plan places tiered states by the mode's rule only (no copy of it of its own)."""
+    from megatron_ext.optim.modes import TieredStates
+
+    with pytest.raises(TypeError, match="place"):
+        TieredStates(elements=10, arrays=(4, 4, 4), subgroup_size=5)
+    cfg = parse_config([*BIG, "--offload-optimizer", "--offload-placement", "round-robin"])
+    cfg.check_world(1)
+    from megatron_ext.optim.modes import mode_of
+
+    states = mode_of(cfg).memory_needs(cfg, model_shape(cfg, 32001, 1), None).tiered
+    assert states.place([100] * 4, [3.0, 1.0], [10**6, 10**6]) == [0, 1, 0, 1]
+    cfg = parse_config([*BIG, "--offload-optimizer"])
+    states = mode_of(cfg).memory_needs(cfg, model_shape(cfg, 32001, 1), None).tiered
+    # The engine's bandwidth rule: 3:1 in bytes, interleaved.
+    assert states.place([100] * 4, [3.0, 1.0], [10**6, 10**6]) == [0, 1, 0, 0]
