@@ -27,9 +27,6 @@ from megatron_ext.optim.modes import TieredStates, mode_of
 
 PIPELINE_BUFFERS = 3
 """Host buffers the offload pipeline needs at least (fetch, update, flush)."""
-HOST_RESERVE_SHARE = 0.1
-"""Of the node's MemAvailable, the share ``auto`` leaves free without
-``--offload-host-reserve-gb`` (the offload engine's rule, offload/capacity.py)."""
 
 
 def gb(nbytes: float) -> str:
@@ -140,16 +137,13 @@ def _gpu_reserve(cfg) -> int:
     return int(cfg.offload.offload_device_reserve_gb * GB)
 
 
-def _host_reserve(cfg, share: int, ranks: int) -> int:
+def _host_reserve(cfg, available: int, ranks: int) -> int:
     """A rank's part of the host memory left free.
 
-    The offload engine's rule: ``--offload-host-reserve-gb`` for the node, else a tenth of
-    MemAvailable.
+    The offload engine's rule for the node (``OffloadConfig.host_reserve_bytes``), shared
+    by its ``ranks``.
     """
-    node_gb = cfg.offload.offload_host_reserve_gb
-    if node_gb is not None:
-        return int(round(node_gb * GB)) // max(1, ranks)
-    return int(HOST_RESERVE_SHARE * share)
+    return cfg.offload.host_reserve_bytes(available) // max(1, ranks)
 
 
 def _subgroup_sizes(states: TieredStates) -> List[int]:
@@ -313,7 +307,8 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
             f"{gb(plan.host.capacity)} GB available: {needs.host_fix or 'free host memory'}")
     if needs.tiered is not None:
         host_room = (plan.host.capacity - plan.host.used
-                     - _host_reserve(cfg, plan.host.capacity, machine.ranks_per_node))
+                     - _host_reserve(cfg, machine.host_available_bytes,
+                                     machine.ranks_per_node))
         refusal = _place_tiered(plan, needs.tiered, host_room)
         if refusal:
             plan.refusals.append(refusal)

@@ -177,6 +177,22 @@ def test_paths_shared_by_the_ranks_of_a_node():
     assert machine.host_share() == 10**11 and machine.path_share(0) == 10**12
 
 
+@pytest.mark.parametrize("reserve", [[], ["--offload-host-reserve-gb", "7"]],
+                         ids=["a-tenth", "given"])
+def test_the_host_reserve_is_the_engines_rule(reserve):
+    """One rule for the node's reserve: the plan's share per rank is the engine's."""
+    import dataclasses
+
+    from megatron_ext.memory.plan import _host_reserve
+    from megatron_ext.offload import capacity
+
+    cfg = parse_config([*BIG, "--offload-optimizer", *reserve])
+    off = dataclasses.replace(cfg.offload, offload_mem_available_gb=134.2)
+    engine = capacity.host_memory(off, max_numel=0, buffer_bytes=0, ranks=4)
+    assert engine.reserve == (7 * 10**9 if reserve else 13_420_000_000)
+    assert _host_reserve(cfg, 134_200_000_000, 4) == engine.reserve // 4
+
+
 def test_tiered_states_carry_their_modes_placement():
     """The plan places tiered states by the mode's rule only (no copy of it of its own)."""
     from megatron_ext.optim.modes import TieredStates
