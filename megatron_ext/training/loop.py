@@ -19,7 +19,7 @@ import sys
 import torch
 
 from megatron_ext.checkpoint import checkpointing as ckpt
-from megatron_ext.checkpoint import save_lock
+from megatron_ext.checkpoint import load_checks, save_lock
 from megatron_ext.data.datasets import build_loader
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.chain import close_optimizer, optimizer_metrics
@@ -138,10 +138,10 @@ class Trainer:
         if cfg.training.deterministic_mode:
             _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)
-        load_dir = ckpt.resolve_load_dir(cfg)
+        load_dir = load_checks.resolve_load_dir(cfg)
         # Before anything is built from it: every file verified, the model settings taken
         # (--use-checkpoint-args) or compared.
-        common = ckpt.prepare_load(load_dir, cfg, rt) if load_dir else None
+        common = load_checks.prepare_load(load_dir, cfg, rt) if load_dir else None
         # Before the first allocation: what goes where, and a one-line refusal of what
         # cannot fit (megatron_ext.memory).
         self.memory_plan = plan_before_start(cfg, rt, tokenizer.vocab_size)
@@ -150,7 +150,7 @@ class Trainer:
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                             cfg.model.make_vocab_size_divisible_by, rt.tp)
         if common is not None:
-            ckpt.check_model(common, cfg, self.vocab_size, load_dir)
+            load_checks.check_model(common, cfg, self.vocab_size, load_dir)
         log.info("start-up: building the model")
         self.model, self.config = build_model(cfg, rt, self.vocab_size)
         log.info("start-up: building the optimizer")
