@@ -169,11 +169,10 @@ def test_resume_is_exact(tmp_path, run_cache, stop_at):
 
 
 @pytest.fixture(scope="module")
-def plain_checkpoint(tmp_path_factory):
-    """A checkpoint of the plain distributed optimizer after 4 iterations."""
-    ckpt = tmp_path_factory.mktemp("pretrained") / "ckpt"
-    run_pretrain([*BASE, "--train-iters", "4", "--save", str(ckpt)])
-    return ckpt
+def plain_checkpoint(run_cache):
+    """A checkpoint of the plain distributed optimizer after 4 iterations (once a session;
+    the tests only load it)."""
+    return run_cache.run([*BASE, "--train-iters", "4", "--save", "{run}/ckpt"]).directory / "ckpt"
 
 
 def test_finetune_from_a_plain_checkpoint(tmp_path, plain_checkpoint):
