@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
@@ -195,6 +195,25 @@ class RunCache:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
+    def once(self, name: str, make: Callable[[Path], None]) -> Path:
+        """The directory ``name`` of the session, filled by ``make(directory)`` once.
+
+        The first caller makes it (the others wait); a ``make`` that failed is tried again
+        by the next caller.
+        """
+        import fcntl
+
+        directory = self.root / name
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (directory / ".done").is_file():
+                if directory.exists():
+                    shutil.rmtree(directory)
+                directory.mkdir()
+                make(directory)
+                (directory / ".done").touch()
+        return directory
+
     def run(self, args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
             base: Optional[Path] = None, timeout: int = 300) -> SharedRun:
         """``args`` run (or its earlier run's files), with ``--metrics-path`` added.
@@ -204,7 +223,6 @@ class RunCache:
         it is read as ``{run}``, and the run's directory gets the subdirectories that
         ``args`` name in it (so the test's directory does not make the run a different one).
         """
-        import fcntl
         import hashlib
 
         text = [str(a) for a in args]
@@ -214,26 +232,21 @@ class RunCache:
         env = {k: str(v) if base is None else str(v).replace(str(base), "{run}")
                for k, v in (env or {}).items()}
         key = json.dumps([text, nproc, sorted({**inherited, **env}.items())])
-        name = hashlib.sha256(key.encode()).hexdigest()[:20]
-        directory = self.root / name
-        with open(self.root / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (directory / "done").is_file():
-                if directory.exists():
-                    shutil.rmtree(directory)  # a run that failed earlier: again
-                directory.mkdir()
-                for arg in text:
-                    if base is not None and arg.startswith("{run}/"):
-                        relative = arg[len("{run}/"):].split("@")[0]
-                        if (Path(base) / relative).is_dir():
-                            (directory / relative).mkdir(parents=True, exist_ok=True)
-                argv = [a.replace("{run}", str(directory)) for a in text]
-                result = run_pretrain([*argv, "--metrics-path", str(directory / "m.jsonl")],
-                                      nproc=nproc, timeout=timeout,
-                                      env={k: v.replace("{run}", str(directory))
-                                           for k, v in env.items()})
-                (directory / "stdout.txt").write_text(result.stdout)
-                (directory / "done").write_text(key)
+
+        def start(directory: Path) -> None:
+            for arg in text:
+                if base is not None and arg.startswith("{run}/"):
+                    relative = arg[len("{run}/"):].split("@")[0]
+                    if (Path(base) / relative).is_dir():
+                        (directory / relative).mkdir(parents=True, exist_ok=True)
+            argv = [a.replace("{run}", str(directory)) for a in text]
+            result = run_pretrain([*argv, "--metrics-path", str(directory / "m.jsonl")],
+                                  nproc=nproc, timeout=timeout,
+                                  env={k: v.replace("{run}", str(directory))
+                                       for k, v in env.items()})
+            (directory / "stdout.txt").write_text(result.stdout)
+
+        directory = self.once(hashlib.sha256(key.encode()).hexdigest()[:20], start)
         return SharedRun(read_metrics(directory / "m.jsonl"),
                          (directory / "stdout.txt").read_text(), directory)
 
