@@ -7,9 +7,12 @@ rest: unit, functional and tool tests on one CPU process). Select with ``-m``, e
 ``python -m pytest -m "cpu or distributed"`` on a laptop or ``-m gpu`` on the GPU machine.
 """
 
+import os
 from pathlib import Path
 
 import pytest
+
+from mext_testing import RunCache
 
 _TESTS = Path(__file__).resolve().parent
 _FOLDER_MARKERS = {"gpu": "gpu", "slurm": "slurm", "distributed": "distributed"}
@@ -23,3 +26,16 @@ def pytest_collection_modifyitems(config, items):
         except ValueError:
             continue
         item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS.get(top, "cpu")))
+
+
+@pytest.fixture(scope="session")
+def run_cache(tmp_path_factory) -> RunCache:
+    """The session's shared pretrain_gpt.py runs (``mext_testing.RunCache``).
+
+    Under pytest-xdist every worker's temporary directory lies in the session's one, so the
+    workers share the runs.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return RunCache(base / "shared-runs")

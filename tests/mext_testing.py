@@ -7,14 +7,16 @@ top-level module ``conftest``, and an import of one would find another.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
@@ -158,36 +160,136 @@ def train_losses(path) -> List[float]:
     return losses_of(read_metrics(path))
 
 
+@dataclasses.dataclass
+class SharedRun:
+    """A finished pretrain_gpt.py run of a :class:`RunCache`.
+
+    Attributes:
+        records: its metrics records (--metrics-path).
+        stdout: its output (stdout and stderr).
+        directory: its own directory (the ``{run}`` of its arguments).
+    """
+
+    records: List[dict]
+    stdout: str
+    directory: Path
+
+    @property
+    def losses(self) -> List[float]:
+        """lm loss of each logged training iteration."""
+        return losses_of(self.records)
+
+
+class RunCache:
+    """Runs of pretrain_gpt.py that the tests of one session share, across xdist workers.
+
+    Many tests start the same run: the plain optimizer's curve that several modules compare
+    against, the straight run of a resume test that is also an equality test's run. Each
+    distinct run (its arguments, launch size, environment and the ``MEGATRON_EXT_*``
+    variables of this process) runs once per session, whichever worker asks first; the
+    others wait for it (a file lock) and read its files. Only runs whose files are not
+    changed by a test may be shared (metrics, output; not a checkpoint a test damages).
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def once(self, name: str, make: Callable[[Path], None]) -> Path:
+        """The directory ``name`` of the session, filled by ``make(directory)`` once.
+
+        The first caller makes it (the others wait); a ``make`` that failed is tried again
+        by the next caller.
+        """
+        import fcntl
+
+        directory = self.root / name
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (directory / ".done").is_file():
+                if directory.exists():
+                    shutil.rmtree(directory)
+                directory.mkdir()
+                make(directory)
+                (directory / ".done").touch()
+        return directory
+
+    def run(self, args: Sequence[str], nproc: int = 1, env: Optional[dict] = None,
+            base: Optional[Path] = None, timeout: int = 300) -> SharedRun:
+        """``args`` run (or its earlier run's files), with ``--metrics-path`` added.
+
+        ``{run}`` in ``args`` and in ``env``'s values is the run's own directory (e.g. a
+        trace file there). ``base``: a test's directory that ``args`` name (tier paths):
+        it is read as ``{run}``, and the run's directory gets the subdirectories that
+        ``args`` name in it (so the test's directory does not make the run a different one).
+        """
+        import hashlib
+
+        text = [str(a) for a in args]
+        if base is not None:
+            text = [a.replace(str(base), "{run}") for a in text]
+        inherited = {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_EXT_")}
+        env = {k: str(v) if base is None else str(v).replace(str(base), "{run}")
+               for k, v in (env or {}).items()}
+        key = json.dumps([text, nproc, sorted({**inherited, **env}.items())])
+
+        def start(directory: Path) -> None:
+            for arg in text:
+                if base is not None and arg.startswith("{run}/"):
+                    relative = arg[len("{run}/"):].split("@")[0]
+                    if (Path(base) / relative).is_dir():
+                        (directory / relative).mkdir(parents=True, exist_ok=True)
+            argv = [a.replace("{run}", str(directory)) for a in text]
+            result = run_pretrain([*argv, "--metrics-path", str(directory / "m.jsonl")],
+                                  nproc=nproc, timeout=timeout,
+                                  env={k: v.replace("{run}", str(directory))
+                                       for k, v in env.items()})
+            (directory / "stdout.txt").write_text(result.stdout)
+
+        directory = self.once(hashlib.sha256(key.encode()).hexdigest()[:20], start)
+        return SharedRun(read_metrics(directory / "m.jsonl"),
+                         (directory / "stdout.txt").read_text(), directory)
+
+
 def precision_flags(precision: str) -> List[str]:
     # bf16 gradients as these tests were written for (Megatron-LM's default is fp32).
     return {"fp32": [], "bf16": BF16, "fp16": ["--fp16"]}[precision]
 
 
-def baseline_losses(tmp_path_factory, base: Sequence[str]):
+def baseline_losses(runs: RunCache, base: Sequence[str]):
     """A function: precision -> losses of the plain distributed optimizer on ``base``.
 
-    Each precision runs once (use it in a module-scoped fixture).
+    Each precision runs once per session (``runs``: the ``run_cache`` fixture).
     """
-    cache = {}
-
     def get(precision: str):
-        if precision not in cache:
-            out = tmp_path_factory.mktemp("baseline") / "m.jsonl"
-            run_pretrain([*base, *precision_flags(precision), "--metrics-path", str(out)])
-            cache[precision] = train_losses(out)
-        return cache[precision]
+        return runs.run([*base, *precision_flags(precision)]).losses
     return get
 
 
 def straight_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: int = 1,
-                         load_flags: Sequence[str] = ()) -> tuple:
+                         load_flags: Sequence[str] = (),
+                         runs: Optional[RunCache] = None) -> tuple:
     """Runs ``flags`` straight, and again stopped by --exit-interval ``stop_at`` + --load.
+
+    ``runs``: the session's :class:`RunCache`, which may hold the straight run already
+    (another test's); the stopped and resumed runs are this test's own.
 
     Returns:
         (records of the straight run, records of the stopped run followed by the resumed one)
     """
-    straight = tmp_path / "straight.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(straight)], nproc=nproc)
+    if runs is not None:
+        straight_records = runs.run(flags, nproc=nproc, base=tmp_path).records
+    else:
+        straight = tmp_path / "straight.jsonl"
+        run_pretrain([*flags, "--metrics-path", str(straight)], nproc=nproc)
+        straight_records = read_metrics(straight)
+    return straight_records, stopped_and_resumed(tmp_path, flags, stop_at, nproc, load_flags)
+
+
+def stopped_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: int = 1,
+                        load_flags: Sequence[str] = ()) -> List[dict]:
+    """Runs ``flags`` stopped by --exit-interval ``stop_at`` (saved in ``tmp_path``/ckpt),
+    then resumed with --load; the records of both, in order."""
     ckpt = tmp_path / "ckpt"
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     run_pretrain([*flags, "--save", str(ckpt), "--exit-interval", str(stop_at),
@@ -195,7 +297,7 @@ def straight_and_resumed(tmp_path, flags: Sequence[str], stop_at: int, nproc: in
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(stop_at)
     run_pretrain([*flags, "--load", str(ckpt), *load_flags, "--metrics-path", str(second)],
                  nproc=nproc)
-    return read_metrics(straight), read_metrics(first) + read_metrics(second)
+    return read_metrics(first) + read_metrics(second)
 
 
 def assert_loss_falls(losses: Sequence[float]) -> None:

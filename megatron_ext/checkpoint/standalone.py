@@ -32,15 +32,15 @@ def resolve_checkpoint(load: str) -> str:
     Raises:
         UsageError: neither.
     """
-    from megatron_ext.checkpoint import checkpointing as ckpt
+    from megatron_ext.checkpoint import load_checks
 
     if not os.path.isdir(load):
         raise UsageError(f"--load {load}: no such directory")
     if os.path.isfile(os.path.join(load, "metadata.json")):
         return load
-    path = ckpt.latest_checkpoint(load)
+    path = load_checks.latest_checkpoint(load)
     if path is None:
-        raise UsageError(f"--load {load}: not a checkpoint (no {ckpt.TRACKER} and no "
+        raise UsageError(f"--load {load}: not a checkpoint (no {load_checks.TRACKER} and no "
                          "metadata.json); give the --save directory of a run")
     return path
 

@@ -11,8 +11,9 @@ line each with the numbers and the flag that fixes it.
 Tiered states (the offload engine's, ZenFlow's CPU side in the tiers) are placed as the
 engine places them: subgroups of ``--offload-subgroup-size`` elements, the device tier
 first (a fixed size, or ``auto``: :func:`device_budget_bytes`), the host cache next, the
-paths the rest in proportion to their bandwidths (the mode's own placement rule); when
-the paths are short, the host cache keeps the fewest subgroups that let the rest fit.
+paths the rest by the mode's placement rule (the engine's own function: in proportion to
+the bandwidths); when the paths are short, the host cache keeps the fewest subgroups that
+let the rest fit.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ from megatron_ext.optim.modes import TieredStates, mode_of
 
 PIPELINE_BUFFERS = 3
 """Host buffers the offload pipeline needs at least (fetch, update, flush)."""
-HOST_RESERVE_SHARE = 0.1
-"""Of the node's MemAvailable, the share ``auto`` leaves free without
-``--offload-host-reserve-gb`` (the offload engine's rule, offload/capacity.py)."""
 
 
 def gb(nbytes: float) -> str:
@@ -139,38 +137,19 @@ def _gpu_reserve(cfg) -> int:
     return int(cfg.offload.offload_device_reserve_gb * GB)
 
 
-def _host_reserve(cfg, share: int, ranks: int) -> int:
+def _host_reserve(cfg, available: int, ranks: int) -> int:
     """A rank's part of the host memory left free.
 
-    The offload engine's rule: ``--offload-host-reserve-gb`` for the node, else a tenth of
-    MemAvailable.
+    The offload engine's rule for the node (``OffloadConfig.host_reserve_bytes``), shared
+    by its ``ranks``.
     """
-    node_gb = cfg.offload.offload_host_reserve_gb
-    if node_gb is not None:
-        return int(round(node_gb * GB)) // max(1, ranks)
-    return int(HOST_RESERVE_SHARE * share)
+    return cfg.offload.host_reserve_bytes(available) // max(1, ranks)
 
 
 def _subgroup_sizes(states: TieredStates) -> List[int]:
     size, n = states.subgroup_size, states.elements
     numels = [size] * (n // size) + ([n % size] if n % size else [])
     return [state_nbytes(states.arrays, numel) for numel in numels]
-
-
-def _proportional(sizes: List[int], weights: List[float], free: List[int]) -> List[int]:
-    """Each subgroup's path: the one furthest below its bandwidth share that has room."""
-    placed = [0] * len(weights)
-    total_weight = sum(weights) or 1.0
-    homes = []
-    for size in sizes:
-        order = sorted(range(len(weights)),
-                       key=lambda i: placed[i] - weights[i] / total_weight * sum(placed))
-        fits = [i for i in order if placed[i] + size <= free[i]]
-        if not fits:
-            raise ValueError("no room")
-        homes.append(fits[0])
-        placed[fits[0]] += size
-    return homes
 
 
 def _place_on_paths(states: TieredStates, sizes: List[int], hosted: List[int],
@@ -191,8 +170,7 @@ def _place_on_paths(states: TieredStates, sizes: List[int], hosted: List[int],
         resident = frozenset(hosted[lo:lo + kept])
         others = [i for i in hosted if i not in resident]
         try:
-            place = states.place or _proportional
-            homes = place([sizes[i] for i in others], weights, free)
+            homes = states.place([sizes[i] for i in others], weights, free)
         except Exception as err:  # the mode's rule says it does not fit: one more kept
             if not isinstance(err, ValueError) and type(err).__name__ != "TierFullError":
                 raise
@@ -333,7 +311,8 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
             f"{needs.host_fix or 'free host memory'}")
     if needs.tiered is not None:
         host_room = (plan.host.capacity - plan.host.used
-                     - _host_reserve(cfg, plan.host.capacity, machine.ranks_per_node))
+                     - _host_reserve(cfg, machine.host_available_bytes,
+                                     machine.ranks_per_node))
         refusal = _place_tiered(plan, needs.tiered, host_room)
         if refusal:
             plan.refusals.append(refusal)

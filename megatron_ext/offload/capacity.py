@@ -85,8 +85,7 @@ def host_memory(cfg: OffloadConfig, max_numel: int, buffer_bytes: int,
     available = mem_available(cfg)
     if available is None:
         return None
-    reserve = (int(round(cfg.offload_host_reserve_gb * 1e9))
-               if cfg.offload_host_reserve_gb is not None else available // 10)
+    reserve = cfg.host_reserve_bytes(available)
     pipeline = pipeline_host_bytes(max_numel, buffer_bytes)
     return HostMemory(available, reserve, pipeline, ranks,
                       host_cache_budget(available, ranks, reserve, pipeline))

@@ -76,7 +76,7 @@ def save(store: "SubgroupStore", directory: str, fields: dict, extra: dict) -> N
     """
     # io imports torch: this module stays light for the integrity check's tools.
     from megatron_ext.offload.blockio import aligned_empty
-    from megatron_ext.offload.io import secure_makedirs
+    from megatron_ext.offload.state_format import secure_makedirs
 
     rank_dir = rank_directory(directory, store.rank)
     secure_makedirs(rank_dir)
@@ -144,7 +144,8 @@ def open_rank(directory: str, rank: int, expect: dict, *, fingerprint: str,
         UsageError: no manifest for this rank, or one saved with other settings (the
             caller's ``expect``, the shard layout, the state dtypes).
     """
-    from megatron_ext.offload.io import RESTART_HINT, OffloadStateError, StateFileIO
+    from megatron_ext.offload.io import StateFileIO
+    from megatron_ext.offload.state_format import RESTART_HINT, OffloadStateError
 
     rank_dir = rank_directory(directory, rank)
     manifest_path = os.path.join(rank_dir, MANIFEST_NAME)

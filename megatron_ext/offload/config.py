@@ -26,6 +26,9 @@ PATH_FREE_ENV = "MEGATRON_EXT_PATH_FREE_GB"
 # Knobs that describe the machine rather than the engine: a run without --offload-optimizer
 # may carry them (the memory plan of any run reads them).
 MACHINE_KNOBS = ("offload_mem_available_gb", "offload_path_free_gb")
+HOST_RESERVE_DIVISOR = 10
+"""Without --offload-host-reserve-gb, a tenth of MemAvailable is left free
+(:meth:`OffloadConfig.host_reserve_bytes`)."""
 
 
 def parse_gb(text: str) -> float:
@@ -295,3 +298,13 @@ class OffloadConfig:
             raise UsageError(f"--offload-device-cache-gb {self.offload_device_cache_gb}: give a "
                              "size in GB (>= 0) or auto")
         return int(round(value * 1e9))
+
+    def host_reserve_bytes(self, mem_available: int) -> int:
+        """The node's host memory left free with --offload-host-cache-gb auto, in bytes.
+
+        --offload-host-reserve-gb, else a tenth of the node's ``mem_available``. The one
+        rule of the engine's cache (offload/capacity.py) and the memory plan (memory/plan.py).
+        """
+        if self.offload_host_reserve_gb is not None:
+            return int(round(self.offload_host_reserve_gb * 1e9))
+        return mem_available // HOST_RESERVE_DIVISOR

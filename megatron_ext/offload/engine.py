@@ -36,6 +36,7 @@ from megatron_ext.offload import checkpoint
 from megatron_ext.offload.blockio import aligned_empty
 from megatron_ext.offload.cache import HostCache
 from megatron_ext.offload.config import OffloadConfig
+from megatron_ext.offload.engine_metrics import EngineMetrics
 from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.masters import convert, read_masters, store_masters
 from megatron_ext.offload.paths import TierSpec
@@ -50,7 +51,7 @@ from megatron_ext.offload.staging import (
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import ShardParam, Subgroup, layout_fingerprint, partition
-from megatron_ext.offload.tier_model import Tier, Updater, io_floor
+from megatron_ext.offload.tier_model import Tier, Updater
 from megatron_ext.offload.updaters import (
     CpuUpdater,
     DeviceUpdater,
@@ -116,16 +117,13 @@ class OffloadEngine:
         jobdirs = JobDirs([t.path for t in tiers], run_id, rank)
         self.tiers = [t for t in tiers if t.path in jobdirs.bases]
         self.stats = StepStats(len(self.tiers))
-        self._lock_wait_seen = 0.0
+        self._metrics = EngineMetrics(len(self.tiers))
         # Bytes of each subgroup's state (its file's payload), in the layout's dtypes.
         self.sizes = [self.layout.nbytes(sg.numel) for sg in self.subgroups]
         self.buffer_bytes = self.layout.nbytes(self.max_numel)
         self.tier_plan = TierPlan(cfg, [sg.numel for sg in self.subgroups], self.sizes,
                                   self.buffer_bytes, tiers=self.tiers, rank=rank, device=device,
                                   device_budget_bytes=device_budget_bytes)
-        # What the paths moved over the run: the bandwidth behind the I/O floor when a
-        # logging interval moved nothing on a path.
-        self._io_totals = [[0, 0.0, 0, 0.0] for _ in self.tiers]
         is_cuda = device.type == "cuda"
         # torch's fused CPU AdamW is several times faster; its rounding differs from the
         # reference implementation in the last bit, and on a CPU run the reference is what
@@ -555,65 +553,8 @@ class OffloadEngine:
     # ----------------------------------------------------------------- metrics, shutdown
 
     def metrics(self) -> Dict[str, float]:
-        """Per-iteration averages since the last call (then reset)."""
-        s = self.stats
-        steps = max(s.steps, 1)
-        # Phases of the main thread (they add up to the optimizer step, less bookkeeping)
-        # are *_s; the I/O threads' busy time, which runs alongside, is *_bg_s.
-        record = {f"offload/{k}_s": s.time[k] / steps
-                  for k in ("stall", "convert", "update", "writeback")}
-        record["offload/fetch_bg_s"] = s.time["fetch"] / steps
-        record["offload/flush_bg_s"] = s.time["flush"] / steps
-        locks = self.store.locks
-        record["offload/lock_wait_bg_s"] = (locks.wait_s - self._lock_wait_seen) / steps
-        self._lock_wait_seen = locks.wait_s
-        record["offload/cache_hit_rate"] = s.hits / s.needed if s.needed else 1.0
-        host = self.cache.allocated * self.buffer_bytes
-        record["offload/host_cache_gib"] = host / 2**30
-        record["offload/device_tier_gib"] = self.device_bytes() / 2**30
-        # What the tier really holds in GPU memory (the tensors' own device, not the plan).
-        record["offload/device_tier_cuda_gib"] = self.store.device_state_bytes() / 2**30
-        record["offload/device_subgroups_n"] = len(self.device_members)
-        record["offload/device_update_s"] = s.time["device_update"] / steps
-        record["offload/stream_issue_s"] = s.time["stream_issue"] / steps
-        record["offload/streamed_subgroups"] = s.streamed_subgroups / steps
-        record["offload/state_bytes_per_element"] = self.layout.bytes_per_element
-        record["offload/host_cache_subgroups"] = (
-            len(self.subgroups) - len(self.device_members) if self.tier_plan.capacity is None
-            else self.tier_plan.capacity)
-        record["offload/host_only_subgroups"] = self.tier_plan.host_only()
-        record.update(s.path_metrics(steps, [self.tier_plan.path_subgroups(i)
-                                             for i in range(len(self.tiers))]))
-        record.update(self._io_floor(record))
-        s.reset()
-        return record
-
-    def _io_floor(self, record: Dict[str, float]) -> Dict[str, float]:
-        """The I/O floor of a step: the seconds its path traffic needs at least.
-
-        The bytes that must cross each path per step (given where the subgroups live and
-        what the cache keeps) over the bandwidth the path showed in this run: this
-        interval's, else the run's so far, else its given or probed one.
-        """
-        s = self.stats
-        each_way = self.tier_plan.path_io_per_step()
-        rates = []
-        for i, tier in enumerate(self.tiers):
-            total = self._io_totals[i]
-            total[0] += s.read_bytes[i]
-            total[1] += s.read_s[i]
-            total[2] += s.write_bytes[i]
-            total[3] += s.write_s[i]
-            read = (record[f"offload/path{i}_read_gbps"]
-                    or (total[0] / total[1] / 1e9 if total[1] else tier.read_gbps))
-            write = (record[f"offload/path{i}_write_gbps"]
-                     or (total[2] / total[3] / 1e9 if total[3] else tier.write_gbps))
-            rates.append((read, write))
-        seconds = io_floor(each_way, each_way, [r for r, _ in rates], [w for _, w in rates])
-        out = {f"offload/path{i}_floor_bytes": 2 * b for i, b in enumerate(each_way)}
-        out["offload/io_floor_bytes"] = 2 * sum(each_way)
-        out["offload/io_floor_s"] = max(seconds, default=0.0)
-        return out
+        """Per-iteration averages since the last call (then reset): :mod:`.engine_metrics`."""
+        return self._metrics.collect(self)
 
     def close(self, remove_files: bool = True) -> None:
         """Stops the threads and removes this rank's tier files."""

@@ -20,33 +20,8 @@ time; overwrites of written blocks run in parallel (8 threads, 512 MiB, on the d
 machine's virtio disk, 2026-11-30: 1.94-2.04 GB/s into a new file, 3.26-3.69 GB/s
 overwriting). The spare is never the file being replaced, so the guarantee above holds.
 
-File format (version 1, all integers little-endian)::
-
-    offset 0     header block, ALIGN (4096) bytes:
-                 0    magic            8s   b"MEXTOFS1"
-                 8    version          u32  1
-                 12   header bytes     u32  4096
-                 16   rank             i64
-                 24   subgroup         i64
-                 32   elements         i64  n, elements of the subgroup (payload: 3n fp32)
-                 40   step             i64  the optimizer step the state belongs to
-                 48   payload bytes    i64  L
-                 56   checksum algo    8s   b"xxh3", b"crc32c" or b"none", NUL padded
-                 64   chunk bytes      i64  C, a multiple of ALIGN
-                 72   chunks           u32  ceil(L / C), at most MAX_CHUNKS
-                 76   reserved         u32  0
-                 80   chunk digests    u64 each, one per chunk (0 with algo "none")
-                 ...  zeros
-                 4088 header digest   u64  xxh3_64 of bytes [0, 4088)
-    offset 4096  payload, L bytes, then zeros up to a multiple of ALIGN
-
-The file is therefore exactly ``4096 + roundup(L, 4096)`` bytes. Chunk ``i`` covers payload
-bytes ``[i*C, min((i+1)*C, L))``; one I/O thread writes or reads a chunk and hashes it, so
-hashing runs in parallel with the other threads' syscalls (xxhash and crc32c release the
-GIL on large buffers). The header digest always uses xxh3, whatever the payload
-algorithm, so that the algorithm field itself is covered; with ``"none"`` a reader still
-checks the header digest, magic, version, identity, geometry and the file size, and that
-the padding after the payload is zero.
+The file format (a header block with the chunks' checksums, then the payload) and the
+checks a file or directory passes before it is trusted are :mod:`.state_format`'s.
 """
 
 from __future__ import annotations
@@ -57,17 +32,13 @@ import logging
 import os
 import secrets
 import stat
-import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Set
 
-import crc32c
 import numpy as np
 import torch
-import xxhash
 
-from megatron_ext.errors import UsageError
 from megatron_ext.offload.blockio import (
     ALIGN,
     IOThreads,
@@ -77,81 +48,27 @@ from megatron_ext.offload.blockio import (
     pwrite_all,
     round_up,
 )
+from megatron_ext.offload.state_format import (
+    CHECKSUMS,
+    HASHERS,
+    OWN_DIR,
+    RESTART_HINT,
+    OffloadStateError,
+    chunk_bytes,
+    corrupt,
+    open_for_read,
+    pack_header,
+    parse_header,
+    truncated,
+)
 
 log = logging.getLogger(__name__)
 
-"""Alignment of O_DIRECT buffers, file offsets and lengths; also the header size."""
-
-MAGIC = b"MEXTOFS1"
-VERSION = 1
-MIN_CHUNK = 8 << 20
-"""Smallest chunk: large enough that a syscall and a hash call amortize their overhead."""
-MAX_CHUNKS = 256
-"""Most chunks of a file: bounds the digest table so that it fits the header block."""
 BOUNCE_BYTES = 8 << 20
 """Per-thread bounce buffer for O_DIRECT I/O from or to an unaligned tensor."""
 SPARES_PER_SIZE = 2
 """Recycled files kept per file size and directory (see the module docstring)."""
 
-_FIXED = struct.Struct("<8sIIqqqqq8sqII")
-_DIGEST = struct.Struct("<Q")
-_DIGESTS_AT = _FIXED.size
-_HEADER_DIGEST_AT = ALIGN - _DIGEST.size
-assert _DIGESTS_AT + MAX_CHUNKS * _DIGEST.size <= _HEADER_DIGEST_AT
-
-_HASHERS: Dict[str, Optional[Callable[[memoryview], int]]] = {
-    "xxh3": xxhash.xxh3_64_intdigest,
-    "crc32c": crc32c.crc32c,
-    "none": None,
-}
-CHECKSUMS = tuple(_HASHERS)
-
-RESTART_HINT = "restart from the last checkpoint with --load"
-_OWN_DIR = "give each run and user an offload directory of its own"
-
-
-class OffloadStateError(UsageError):
-    """An offload state file or directory that cannot be trusted: corrupt, foreign, unsafe."""
-
-
-def secure_makedirs(path: str) -> None:
-    """Creates a directory tree for state files and checks that only we control its leaf.
-
-    Directories created here get mode 0o700 (whatever the umask). An existing leaf is
-    accepted only if it is a real directory (not a symlink) owned by the current user.
-
-    Args:
-        path: The directory.
-
-    Raises:
-        OffloadStateError: The leaf is a symlink, not a directory, or another user's.
-    """
-    path = os.path.abspath(path)
-    missing: List[str] = []
-    head = path
-    while not os.path.lexists(head):
-        missing.append(head)
-        head = os.path.dirname(head)
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            continue  # another rank of the node created it first
-        os.chmod(directory, 0o700)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise OffloadStateError(f"offload directory {path} is a symlink: {_OWN_DIR}")
-    if not stat.S_ISDIR(st.st_mode):
-        raise OffloadStateError(f"offload directory {path} exists and is not a directory: "
-                                f"remove it or {_OWN_DIR}")
-    _check_owner(st, f"offload directory {path}")
-
-
-def _check_owner(st: os.stat_result, what: str) -> None:
-    """Refuses a file or directory of another user (a shared scratch directory's trap)."""
-    if st.st_uid != os.geteuid():
-        raise OffloadStateError(f"{what} is owned by uid {st.st_uid}, not by this user "
-                                f"(uid {os.geteuid()}): {_OWN_DIR}")
 
 
 def _recyclable(st: os.stat_result, size: int) -> bool:
@@ -162,31 +79,6 @@ def _recyclable(st: os.stat_result, size: int) -> bool:
     """
     return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
             and st.st_size == size)
-
-
-def read_header(path: str) -> dict:
-    """Reads and validates the header of a state file, without reading its payload.
-
-    Args:
-        path: The state file.
-
-    Returns:
-        A dict with ``version``, ``rank``, ``subgroup``, ``elements``, ``step``,
-        ``checksum``, ``payload_bytes``, ``chunk_bytes``, ``chunk_digests`` (list of int)
-        and ``file_bytes``.
-
-    Raises:
-        OffloadStateError: The file is unsafe (symlink, foreign owner), corrupt or truncated.
-    """
-    fd, _, size = _open_for_read(path, lambda p, flags: (os.open(p, flags), False))
-    try:
-        block = bytearray(ALIGN)
-        got = os.preadv(fd, [block], 0)
-    finally:
-        os.close(fd)
-    if got < ALIGN:
-        raise _truncated(path, size, ALIGN)
-    return _parse_header(bytes(block), path, size)
 
 
 class StateFileIO:
@@ -215,7 +107,7 @@ class StateFileIO:
         """
         if threads < 1:
             raise ValueError(f"StateFileIO: threads must be >= 1, got {threads}")
-        if checksum not in _HASHERS:
+        if checksum not in HASHERS:
             raise ValueError(f"StateFileIO: checksum must be one of {CHECKSUMS}, got {checksum!r}")
         if direct_io and not hasattr(os, "O_DIRECT"):
             raise ValueError("StateFileIO: O_DIRECT is not available on this platform")
@@ -275,7 +167,7 @@ class StateFileIO:
                                                    digests))
                     for i in range(nchunks)])
                 block = self._block()
-                _pack_header(block, rank=rank, subgroup=subgroup, elements=elements, step=step,
+                pack_header(block, rank=rank, subgroup=subgroup, elements=elements, step=step,
                              payload_bytes=nbytes, algo=algo, chunk=chunk, digests=digests)
                 pwrite_all(fd, memoryview(block), 0)
                 os.fsync(fd)
@@ -321,23 +213,23 @@ class StateFileIO:
         t_start = time.monotonic()
         dst = _as_bytes(out, "out")
         directory = os.path.dirname(os.path.abspath(path))
-        fd, direct, size = _open_for_read(
+        fd, direct, size = open_for_read(
             path, lambda p, flags: self._open(p, flags, 0, directory))
         try:
             block = self._block()
             _pread_exact(fd, memoryview(block), 0, path, size)
-            header = _parse_header(block.tobytes(), path, size)
+            header = parse_header(block.tobytes(), path, size)
             found = (header["rank"], header["subgroup"], header["elements"])
             if found != (rank, subgroup, elements):
                 raise OffloadStateError(
                     f"offload state file {path} holds rank {found[0]} subgroup {found[1]} "
                     f"({found[2]} elements), expected rank {rank} subgroup {subgroup} "
-                    f"({elements} elements): {_OWN_DIR}, or {RESTART_HINT}")
+                    f"({elements} elements): {OWN_DIR}, or {RESTART_HINT}")
             if header["payload_bytes"] != dst.size:
                 raise OffloadStateError(
                     f"offload state file {path} holds {header['payload_bytes']} payload bytes, "
-                    f"expected {dst.size}: {_OWN_DIR}, or {RESTART_HINT}")
-            hasher = _HASHERS[header["checksum"]]
+                    f"expected {dst.size}: {OWN_DIR}, or {RESTART_HINT}")
+            hasher = HASHERS[header["checksum"]]
             chunk, digests = header["chunk_bytes"], header["chunk_digests"]
             aligned = dst.ctypes.data % ALIGN == 0
             self._workers.run([
@@ -421,7 +313,7 @@ class StateFileIO:
                      aligned: bool, algo: str, digests: List[int]) -> None:
         start = i * chunk
         piece = src[start:start + chunk]
-        hasher = _HASHERS[algo]
+        hasher = HASHERS[algo]
         if hasher is not None:
             digests[i] = hasher(memoryview(piece))
         offset = ALIGN + start
@@ -464,14 +356,9 @@ class StateFileIO:
             _pread_exact(fd, memoryview(block), offset + body, path, size)
             piece[body:] = block[:tail]
             if block[tail:].any():
-                raise _corrupt(path, "nonzero bytes in the padding after the payload")
+                raise corrupt(path, "nonzero bytes in the padding after the payload")
         if hasher is not None and hasher(memoryview(piece)) != digest:
-            raise _corrupt(path, f"{algo} checksum mismatch in payload chunk {i}")
-
-
-def chunk_bytes(payload_bytes: int) -> int:
-    """The chunk size of a payload: at least MIN_CHUNK, at most MAX_CHUNKS chunks, aligned."""
-    return round_up(max(MIN_CHUNK, -(-payload_bytes // MAX_CHUNKS)))
+            raise corrupt(path, f"{algo} checksum mismatch in payload chunk {i}")
 
 
 def _as_bytes(tensor: torch.Tensor, name: str) -> np.ndarray:
@@ -482,98 +369,11 @@ def _as_bytes(tensor: torch.Tensor, name: str) -> np.ndarray:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _corrupt(path: str, what: str) -> OffloadStateError:
-    return OffloadStateError(f"offload state file {path} is corrupt ({what}): {RESTART_HINT}")
-
-
-def _truncated(path: str, size: int, expected: int) -> OffloadStateError:
-    return OffloadStateError(f"offload state file {path} is truncated ({size} bytes, expected "
-                             f"{expected}): {RESTART_HINT}")
-
-
-def _open_for_read(path: str, opener: Callable[[str, int], Tuple[int, bool]]):
-    """Opens a state file for reading and checks that it is a regular file of ours.
-
-    Args:
-        path: The state file.
-        opener: ``opener(path, flags) -> (fd, direct)``.
-
-    Returns:
-        ``(fd, direct, size)``.
-    """
-    # O_NONBLOCK: a FIFO planted at the path must not hang the open; no effect on files.
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd, direct = opener(path, flags)
-    except FileNotFoundError:
-        raise OffloadStateError(
-            f"offload state file {path} does not exist: {RESTART_HINT}") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OffloadStateError(f"offload state file {path} is a symlink: remove it, and "
-                                    f"{_OWN_DIR}") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OffloadStateError(f"offload state file {path} is not a regular file: remove "
-                                    f"it, and {_OWN_DIR}")
-        _check_owner(st, f"offload state file {path}")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, direct, st.st_size
-
-
-def _pack_header(block: np.ndarray, *, rank: int, subgroup: int, elements: int, step: int,
-                 payload_bytes: int, algo: str, chunk: int, digests: List[int]) -> None:
-    block[:] = 0
-    buf = memoryview(block)
-    _FIXED.pack_into(buf, 0, MAGIC, VERSION, ALIGN, rank, subgroup, elements, step,
-                     payload_bytes, algo.encode(), chunk, len(digests), 0)
-    for i, digest in enumerate(digests):
-        _DIGEST.pack_into(buf, _DIGESTS_AT + i * _DIGEST.size, digest)
-    _DIGEST.pack_into(buf, _HEADER_DIGEST_AT, xxhash.xxh3_64_intdigest(buf[:_HEADER_DIGEST_AT]))
-
-
-def _parse_header(block: bytes, path: str, size: int) -> dict:
-    """Validates a header block against itself and the file size; returns its fields."""
-    if size < ALIGN:
-        raise _truncated(path, size, ALIGN)
-    (magic, version, header_bytes, rank, subgroup, elements, step, payload_bytes, algo, chunk,
-     nchunks, _) = _FIXED.unpack_from(block, 0)
-    if magic != MAGIC:
-        raise OffloadStateError(f"offload state file {path} is not a megatron_ext offload "
-                                f"state file (bad magic {magic!r}): remove it or {_OWN_DIR}")
-    if version != VERSION:
-        raise OffloadStateError(f"offload state file {path} has format version {version}, this "
-                                f"build reads version {VERSION}: {RESTART_HINT}")
-    (stored,) = _DIGEST.unpack_from(block, _HEADER_DIGEST_AT)
-    if xxhash.xxh3_64_intdigest(block[:_HEADER_DIGEST_AT]) != stored:
-        raise _corrupt(path, "header checksum mismatch")
-    algo = algo.rstrip(b"\0").decode("ascii", "replace")
-    # The header digest matched, so what follows can only fail for a file this build did
-    # not write; still checked, since the geometry drives offsets and allocations.
-    if (algo not in _HASHERS or header_bytes != ALIGN or payload_bytes < 0 or chunk <= 0
-            or chunk % ALIGN or nchunks != -(-payload_bytes // chunk) or nchunks > MAX_CHUNKS):
-        raise _corrupt(path, "invalid header fields")
-    expected = ALIGN + round_up(payload_bytes)
-    if size < expected:
-        raise _truncated(path, size, expected)
-    if size > expected:
-        raise _corrupt(path, f"{size} bytes, the header says {expected}")
-    digests = [_DIGEST.unpack_from(block, _DIGESTS_AT + i * _DIGEST.size)[0]
-               for i in range(nchunks)]
-    return {"version": version, "rank": rank, "subgroup": subgroup, "elements": elements,
-            "step": step, "checksum": algo, "payload_bytes": payload_bytes,
-            "chunk_bytes": chunk, "chunk_digests": digests, "file_bytes": size}
-
-
 def _pread_exact(fd: int, buf: memoryview, offset: int, path: str, size: int) -> None:
     got = pread_full(fd, buf, offset)
     if got < len(buf):
         # The size was checked at open, so the file shrank under us.
-        raise _truncated(path, offset + got, offset + len(buf))
+        raise truncated(path, offset + got, offset + len(buf))
 
 
 def _fsync_dir(directory: str) -> None:

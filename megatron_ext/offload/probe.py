@@ -35,8 +35,8 @@ from megatron_ext.offload.blockio import (
     pread_full,
     pwrite_all,
 )
-from megatron_ext.offload.io import MIN_CHUNK
 from megatron_ext.offload.paths import TierSpec
+from megatron_ext.offload.state_format import MIN_CHUNK
 
 __all__ = [
     "PROBE_BLOCK_MB",

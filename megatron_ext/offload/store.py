@@ -29,11 +29,12 @@ from megatron_ext.errors import UsageError
 from megatron_ext.offload.blockio import aligned_empty
 from megatron_ext.offload.cache import Entry, HostCache
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.io import OffloadStateError, StateFileIO, secure_makedirs
+from megatron_ext.offload.io import StateFileIO
 from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.locks import NodeLocks
 from megatron_ext.offload.paths import TierSpec, check_free_space
 from megatron_ext.offload.plan import TierPlan
+from megatron_ext.offload.state_format import OffloadStateError, secure_makedirs
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.subgroups import Subgroup
 from megatron_ext.runtime.faults import Faults, crash_point

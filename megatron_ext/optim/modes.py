@@ -119,7 +119,9 @@ class TieredStates:
         path_reserve_bytes: free space each path keeps beside the states (spare files).
         place: the mode's placement over the paths: (subgroup bytes, path weights, free
             bytes per path) -> the path of each subgroup; raises a ValueError or a
-            UsageError when they do not fit (None: in proportion to the bandwidths).
+            UsageError when they do not fit. Required: the plan places the subgroups by
+            the rule the engine will use (the offload engine's ``place_subgroups``,
+            ``offload/mode.py::path_placement``), never by a second copy of it.
         fix: what else helps when the tiers cannot hold them.
     """
 
@@ -131,7 +133,8 @@ class TieredStates:
     updates_per_iteration: float = 1.0
     overlaps_compute: bool = False
     path_reserve_bytes: int = 0
-    place: Optional[Callable[[List[int], List[float], List[int]], List[int]]] = None
+    place: Callable[[List[int], List[float], List[int]], List[int]] = dataclasses.field(
+        kw_only=True)
     fix: str = ""
 
 

@@ -9,9 +9,7 @@ from mext_testing import (
     assert_loss_falls,
     losses_of,
     precision_flags,
-    run_pretrain,
     straight_and_resumed,
-    train_losses,
 )
 
 LAYOUTS = {
@@ -29,12 +27,12 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_ranks_train_and_loss_falls(tmp_path, layout):
-    metrics = tmp_path / "m.jsonl"
-    out = run_pretrain([*TINY, *LAYOUTS[layout], "--train-iters", "20",
-                        "--metrics-path", str(metrics)], nproc=2).stdout
-    assert "cpu x2" in out
-    losses = train_losses(metrics)
+def test_two_ranks_train_and_loss_falls(run_cache, layout):
+    # dp2 is also tests/distributed/test_offload_parallel_cpu.py's plain fp32 run (the
+    # session's run cache shares it).
+    run = run_cache.run([*TINY, "--train-iters", "20", *LAYOUTS[layout]], nproc=2)
+    assert "cpu x2" in run.stdout
+    losses = run.losses
     assert len(losses) == 20
     assert_loss_falls(losses)
 
@@ -42,8 +40,9 @@ def test_two_ranks_train_and_loss_falls(tmp_path, layout):
 # bf16 only: its fp32 main params are the larger state; fp32 resume is exact at world size 1
 # (tests/functional/test_train_cpu.py) and the two-rank fp32 run ~95 s on 2 cores.
 @pytest.mark.parametrize("precision", ["bf16"])
-def test_resume_is_bitwise_exact_at_world_size_2(tmp_path, precision):
+def test_resume_is_bitwise_exact_at_world_size_2(tmp_path, run_cache, precision):
     flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
              *precision_flags(precision)]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, nproc=2)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, nproc=2,
+                                             runs=run_cache)
     assert losses_of(resumed) == losses_of(straight)

@@ -39,16 +39,10 @@ DEVICE_CASES = [("dp2-bf16", "synchronous"), ("tp2-bf16", "synchronous")]
 
 
 @pytest.fixture(scope="module")
-def plain_losses(tmp_path_factory):
-    """Losses of the plain distributed optimizer per layout at two ranks (run once each)."""
-    cache = {}
-
+def plain_losses(run_cache):
+    """Losses of the plain distributed optimizer per layout at two ranks (once a session)."""
     def get(layout: str):
-        if layout not in cache:
-            out = tmp_path_factory.mktemp("plain") / "m.jsonl"
-            run_pretrain([*BASE, *LAYOUTS[layout], "--metrics-path", str(out)], nproc=2)
-            cache[layout] = train_losses(out)
-        return cache[layout]
+        return run_cache.run([*BASE, *LAYOUTS[layout]], nproc=2).losses
     return get
 
 
@@ -66,10 +60,11 @@ def test_two_ranks_zenflow_equals_plain(tmp_path, plain_losses, layout, mode, pl
         assert records[-1]["zenflow/accumulate_on_device"] == 1.0
 
 
-def test_two_ranks_zenflow_resume_is_exact_and_needs_the_same_layout(tmp_path):
+def test_two_ranks_zenflow_resume_is_exact_and_needs_the_same_layout(tmp_path, run_cache):
     flags = [*BASE, *LAYOUTS["dp2-bf16"], "--zenflow", "--zenflow-update-interval", "3",
              "--zenflow-select-interval", "6"]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=7, nproc=2)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=7, nproc=2,
+                                             runs=run_cache)
     assert losses_of(resumed) == losses_of(straight)
     # The same checkpoint at one rank: the ZenFlow state is per rank and layout.
     result = run_pretrain([*flags, "--load", str(tmp_path / "ckpt")], nproc=1, check=False)

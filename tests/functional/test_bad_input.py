@@ -30,7 +30,7 @@ ZENFLOW = ["--use-distributed-optimizer", "--zenflow"]
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(tmp_path_factory, run_cache):
     root = tmp_path_factory.mktemp("bad-input")
     rng = np.random.default_rng(0)
     write_indexed_dataset(root / "ok", [rng.integers(0, 100, 40).tolist() for _ in range(50)])
@@ -41,11 +41,11 @@ def data(tmp_path_factory):
     (root / "dirbin.bin").mkdir()
     (root / "empty_ckpt").mkdir()
     (root / "fake.model").write_bytes(b"this is not a sentencepiece model")
-    # A checkpoint with offloaded optimizer state, one byte of which is then flipped.
-    subprocess.run([sys.executable, PRETRAIN, *BASE, *MOCK, *OFFLOAD,
-                    "--save", str(root / "offload_ckpt")], cwd=ROOT, env=test_env(), check=True,
-                   capture_output=True, timeout=120)
-    shutil.copytree(root / "offload_ckpt", root / "good_ckpt")
+    # A checkpoint with offloaded optimizer state (once a session), copied: one copy keeps
+    # it whole, one byte of the other is then flipped.
+    saved = run_cache.run([*BASE, *MOCK, *OFFLOAD, "--save", "{run}/ckpt"]).directory / "ckpt"
+    shutil.copytree(saved, root / "offload_ckpt")
+    shutil.copytree(saved, root / "good_ckpt")
     _more_data(root)
     state = sorted((root / "offload_ckpt").rglob("sg00000.state"))[0]
     data = bytearray(state.read_bytes())

@@ -32,7 +32,7 @@ import pytest
 from megatron_ext.checkpoint import integrity
 from megatron_ext.errors import UsageError
 from megatron_ext.runtime.faults import CHECKPOINT_ENV
-from mext_testing import PRETRAIN, ROOT, TINY, run_pretrain, test_env
+from mext_testing import PRETRAIN, ROOT, TINY, test_env
 
 FLAGS = [*TINY, "--train-iters", "4", "--use-distributed-optimizer", "--lr-decay-style",
          "linear", "--log-interval", "1", "--eval-iters", "0"]
@@ -41,9 +41,10 @@ POINTER = "latest_checkpointed_iteration.txt"
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("integrity") / "ckpt"
-    run_pretrain([*FLAGS, *OFFLOAD, "--save", str(root), "--save-interval", "2"])
+def saved(run_cache):
+    """The checkpoints (iterations 2 and 4; once a session: tests damage copies of it)."""
+    root = run_cache.run([*FLAGS, *OFFLOAD, "--save", "{run}/ckpt", "--save-interval",
+                          "2"]).directory / "ckpt"
     assert (root / POINTER).read_text() == "4"
     return root
 

@@ -109,7 +109,7 @@ PLACES = {
     "backward": ("backward:4", [], "RuntimeError while running forward and backward"),
     "optimizer": ("optimizer:4", [], "while taking the optimizer step (iteration 4)"),
     "data": ("data:4", [], "RuntimeError while loading data"),
-    "save": ("save:4", [], "while saving the checkpoint of iteration 4"),
+    # "save" ("save:4"): test_resume_after_a_failed_save, which resumes from that run too.
     "offload-io": ("offload-io:4", OFFLOAD, "injected fault at offload-io"),
     "zenflow-worker": ("zenflow-worker:4", ZENFLOW, "injected fault at zenflow-worker"),
     "device oom": ("optimizer:4:oom", [],
@@ -141,9 +141,14 @@ def test_failure_ends_the_run(tmp_path, place):
 
 
 def test_resume_after_a_failed_save(tmp_path):
-    """A failure in the middle of a save leaves the last checkpoint whole: the run resumes."""
+    """A failure in the middle of a save ends the run as the other places do (one line, a
+    traceback above it, status 1) and leaves the last checkpoint whole: the run resumes."""
     save = tmp_path / "ckpt"
-    run_failing([*RUN, "--save", str(save)], "save:4")
+    out, line, _, codes = run_failing([*RUN, "--save", str(save)], "save:4")
+    assert "while saving the checkpoint of iteration 4" in line, line
+    assert "Traceback" in out  # a bug keeps its traceback, above the line
+    assert codes == [1]
+    assert_checkpoint_at(save, 2)
     resumed = subprocess.run([sys.executable, PRETRAIN, *RUN, "--save", str(save), "--load",
                               str(save)], cwd=ROOT, env=test_env(), capture_output=True,
                              text=True, timeout=300)

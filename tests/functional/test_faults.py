@@ -56,10 +56,11 @@ def one_error_line(proc, *expected) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Checkpoints of iterations 2 and 4 of the tiny run (plain distributed optimizer)."""
-    root = tmp_path_factory.mktemp("faults") / "ckpt"
-    run_pretrain([*FLAGS, "--save", str(root), "--save-interval", "2"])
+def saved(run_cache):
+    """Checkpoints of iterations 2 and 4 of the tiny run (plain distributed optimizer; once
+    a session: tests damage copies of it)."""
+    root = run_cache.run([*FLAGS, "--save", "{run}/ckpt", "--save-interval",
+                          "2"]).directory / "ckpt"
     assert (root / POINTER).read_text() == "4"
     return root
 

@@ -14,7 +14,7 @@ import platform
 
 import pytest
 
-from mext_testing import ROOT, TINY, precision_flags, run_pretrain, train_losses
+from mext_testing import ROOT, TINY, precision_flags
 
 GOLDEN_DIR = ROOT / "tests" / "functional" / "golden"
 # Different CPUs (vector widths) reorder float sums; bf16 amplifies that over 20 steps.
@@ -22,12 +22,11 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_loss_curve_matches_golden(tmp_path, precision):
+def test_loss_curve_matches_golden(run_cache, precision):
     flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
              *precision_flags(precision)]
-    metrics = tmp_path / "m.jsonl"
-    run_pretrain([*flags, "--metrics-path", str(metrics)])
-    losses = train_losses(metrics)
+    # The plain run other modules compare against (the session's run cache shares it).
+    losses = run_cache.run(flags).losses
     path = GOLDEN_DIR / f"tiny_gpt_{precision}.json"
     if os.environ.get("MEGATRON_EXT_UPDATE_GOLDEN"):
         import megatron.core

@@ -34,12 +34,10 @@ def _train(records):
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def straight(request, tmp_path_factory):
-    """(layout, records of the uninterrupted run of this project)."""
+def straight(request, run_cache):
+    """(layout, records of the uninterrupted run of this project; once a session)."""
     nproc, extra = LAYOUTS[request.param]
-    metrics = tmp_path_factory.mktemp("straight") / "m.jsonl"
-    run_pretrain([*FLAGS, *extra, "--metrics-path", str(metrics)], nproc=nproc)
-    return request.param, _train(read_metrics(metrics))
+    return request.param, _train(run_cache.run([*FLAGS, *extra], nproc=nproc).records)
 
 
 def test_megatron_lm_loads_this_projects_checkpoint_and_trains_on(straight, tmp_path):
@@ -87,10 +85,8 @@ def test_this_project_resumes_a_megatron_lm_checkpoint(straight, tmp_path):
     assert _train(read_metrics(second)) == want[STOP:]
 
 
-def test_format_1_checkpoint_still_loads(tmp_path):
-    metrics = tmp_path / "straight.jsonl"
-    run_pretrain([*FLAGS, "--metrics-path", str(metrics)])
-    want = _train(read_metrics(metrics))
+def test_format_1_checkpoint_still_loads(tmp_path, run_cache):
+    want = _train(run_cache.run(FLAGS).records)  # the 1rank layout's straight run
     ckpt, second = tmp_path / "ckpt", tmp_path / "second.jsonl"
     run_pretrain(["save-legacy", str(ckpt), str(STOP), "--", *FLAGS], script=SIDE)
     assert (ckpt / f"iter_{STOP:07d}" / "rng" / "rank_00000.pt").is_file()

@@ -36,8 +36,8 @@ def machine(host_buffers: int, path_subgroups=()) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    return baseline_losses(tmp_path_factory, BASE)
+def baseline(run_cache):
+    return baseline_losses(run_cache, BASE)
 
 
 def test_auto_sizes_split_the_states_between_host_and_paths(tmp_path, baseline):

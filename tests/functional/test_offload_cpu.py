@@ -30,8 +30,9 @@ from mext_testing import (
 )
 
 ITERS = 20
-BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer",
-        "--lr-decay-style", "cosine"]
+# TINY's cosine decay: the same command as the other modules' plain runs, which the
+# session's run cache then shares (mext_testing.RunCache).
+BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer"]
 # ~120k parameters in subgroups of 10k elements (120 KB of state each), three of them in
 # the host cache: most of the state lives on the paths.
 SMALL = ["--offload-subgroup-size", "10000", "--offload-host-cache-gb", "0.00036"]
@@ -52,9 +53,9 @@ def path_flags(tmp_path: Path, count: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """Losses of the plain distributed optimizer, per precision (computed once)."""
-    return baseline_losses(tmp_path_factory, BASE)
+def baseline(run_cache):
+    """Losses of the plain distributed optimizer, per precision (once per session)."""
+    return baseline_losses(run_cache, BASE)
 
 
 def run_offload(tmp_path, flags, env=None, name="offload.jsonl", check=True):
@@ -62,6 +63,12 @@ def run_offload(tmp_path, flags, env=None, name="offload.jsonl", check=True):
     result = run_pretrain([*BASE, "--offload-optimizer", *flags, "--metrics-path", str(out)],
                           env=env, check=check)
     return result, out
+
+
+def shared_offload(run_cache, tmp_path, flags, env=None):
+    """The offload run of ``flags`` (its tier paths under ``tmp_path``), shared with the
+    tests that start the same one (the session's run cache): paths are the run's own."""
+    return run_cache.run([*BASE, "--offload-optimizer", *flags], env=env, base=tmp_path)
 
 
 LAYOUTS = {
@@ -85,11 +92,11 @@ MATRIX = [("bf16", layout) for layout in sorted(LAYOUTS)] + [
 
 
 @pytest.mark.parametrize("precision,layout", MATRIX)
-def test_offload_matches_plain_optimizer(tmp_path, baseline, precision, layout):
+def test_offload_matches_plain_optimizer(tmp_path, run_cache, baseline, precision, layout):
     n_paths, switches = LAYOUTS[layout]
-    _, out = run_offload(tmp_path, [*precision_flags(precision), *path_flags(tmp_path, n_paths),
-                                    *switches])
-    records = read_metrics(out)
+    run = shared_offload(run_cache, tmp_path, [*precision_flags(precision),
+                                               *path_flags(tmp_path, n_paths), *switches])
+    records = run.records
     assert losses_of(records) == baseline(precision)
     last = [r for r in records if "offload/cache_hit_rate" in r][-1]
     # No fp32 master or moment tensor outside the engine (megatron-core's are freed).
@@ -98,12 +105,19 @@ def test_offload_matches_plain_optimizer(tmp_path, baseline, precision, layout):
         assert last["offload/io_bytes"] > 0, "nothing went through the paths"
         # The run's files are gone after it (checkpoints keep their own copies).
         for i in range(n_paths):
-            assert not list((tmp_path / f"tier{i}").rglob("sg*"))
+            assert (run.directory / f"tier{i}").is_dir()
+            assert not list((run.directory / f"tier{i}").rglob("sg*"))
+    if precision == "bf16" and layout == "one-path":
+        # The stdout line of every iteration carries the offload breakdown.
+        lines = [line for line in run.stdout.splitlines() if line.startswith(" iteration")]
+        assert len(lines) == ITERS
+        assert all("offload (ms): stall" in line and "cache hits" in line for line in lines)
 
 
-def test_fp16_offload_matches_plain_optimizer(tmp_path, baseline):
-    _, out = run_offload(tmp_path, [*precision_flags("fp16"), *path_flags(tmp_path, 2)])
-    assert train_losses(out) == baseline("fp16")
+def test_fp16_offload_matches_plain_optimizer(tmp_path, run_cache, baseline):
+    run = shared_offload(run_cache, tmp_path, [*precision_flags("fp16"),
+                                               *path_flags(tmp_path, 2)])
+    assert run.losses == baseline("fp16")
 
 
 def test_files_follow_the_bandwidth_proportion(tmp_path):
@@ -125,10 +139,10 @@ def test_files_follow_the_bandwidth_proportion(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["host-only", "two-paths"])
-def test_offload_resume_is_exact(tmp_path, layout):
-    flags = [*BASE, *BF16, "--offload-optimizer",
+def test_offload_resume_is_exact(tmp_path, run_cache, layout):
+    flags = [*BASE, "--offload-optimizer", *BF16,
              *path_flags(tmp_path, 0 if layout == "host-only" else 2)]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, runs=run_cache)
     assert losses_of(resumed) == losses_of(straight)
     manifest = json.loads((tmp_path / "ckpt" / "iter_0000010" / "offload" / "rank00000" /
                            "manifest.json").read_text())
@@ -140,9 +154,9 @@ def test_offload_resume_is_exact(tmp_path, layout):
         assert hows == {"linked", "written"}, hows
 
 
-def test_kill_during_flush_then_resume(tmp_path):
+def test_kill_during_flush_then_resume(tmp_path, run_cache):
     flags = [*BF16, *path_flags(tmp_path, 2)]
-    _, straight = run_offload(tmp_path, flags, name="straight.jsonl")
+    straight = shared_offload(run_cache, tmp_path, flags).losses
     ckpt = tmp_path / "ckpt"
     first = tmp_path / "first.jsonl"
     proc = launch([*BASE, "--offload-optimizer", *flags, "--save", str(ckpt), "--save-interval",
@@ -161,7 +175,7 @@ def test_kill_during_flush_then_resume(tmp_path):
     partial = [p for p in tmp_path.rglob(".sg*") if "tmp" in p.name]
     assert partial, "the kill did not happen inside a write"
     _, second = run_offload(tmp_path, [*flags, "--load", str(ckpt)], name="second.jsonl")
-    assert train_losses(first)[:5] + train_losses(second) == train_losses(straight)
+    assert train_losses(first)[:5] + train_losses(second) == straight
 
 
 def _one_error_line(result) -> str:
@@ -241,13 +255,6 @@ def test_two_jobs_on_one_path_keep_apart(tmp_path, baseline):
         assert train_losses(out) == baseline("bf16")
 
 
-def test_stdout_line_carries_the_offload_breakdown(tmp_path):
-    result, _ = run_offload(tmp_path, [*BF16, *path_flags(tmp_path, 1)])
-    lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration")]
-    assert len(lines) == ITERS
-    assert all("offload (ms): stall" in line and "cache hits" in line for line in lines)
-
-
 # ---------------------------------------------------------------- the hierarchy of tiers
 
 STREAM = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
@@ -278,12 +285,11 @@ TIER_MATRIX = [("device-only", False), ("device+host", True), ("all-tiers", Fals
 
 @pytest.mark.parametrize("layout,stream", TIER_MATRIX,
                          ids=[f"{lay}{'-streamed' if s else ''}" for lay, s in TIER_MATRIX])
-def test_state_tiers_match_plain_optimizer(tmp_path, baseline, layout, stream):
+def test_state_tiers_match_plain_optimizer(tmp_path, run_cache, baseline, layout, stream):
     # bf16: the masters as remainders (the default; the whole masters of
     # --no-store-param-remainders: tests/functional/test_remainders_cpu.py).
-    _, out = run_offload(tmp_path, ["--bf16", *tier_flags(tmp_path, layout, True)],
-                         env={STREAM: "0.5"} if stream else None)
-    records = read_metrics(out)
+    records = shared_offload(run_cache, tmp_path, ["--bf16", *tier_flags(tmp_path, layout, True)],
+                             env={STREAM: "0.5"} if stream else None).records
     assert losses_of(records) == baseline("bf16")
     last = [r for r in records if "offload/cache_hit_rate" in r][-1]
     assert last["offload/state_bytes_per_element"] == 10
@@ -292,10 +298,10 @@ def test_state_tiers_match_plain_optimizer(tmp_path, baseline, layout, stream):
     assert (last["offload/io_bytes"] > 0) == (layout == "all-tiers")
 
 
-def test_all_tiers_resume_is_exact_fp32(tmp_path, baseline, monkeypatch):
+def test_all_tiers_resume_is_exact_fp32(tmp_path, run_cache, baseline, monkeypatch):
     monkeypatch.setenv(STREAM, "0.5")
     flags = [*BASE, "--offload-optimizer", *tier_flags(tmp_path, "all-tiers")]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, runs=run_cache)
     assert losses_of(straight) == baseline("fp32")
     assert losses_of(resumed) == losses_of(straight)
     manifest = json.loads((tmp_path / "ckpt" / "iter_0000010" / "offload" / "rank00000" /

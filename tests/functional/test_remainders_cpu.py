@@ -24,8 +24,8 @@ from mext_testing import (
 )
 
 ITERS = 20
-BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer",
-        "--lr-decay-style", "cosine"]
+# TINY's cosine decay: the command of the other modules' plain runs (the run cache's).
+BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer"]
 STREAM = "MEGATRON_EXT_OFFLOAD_STREAM_SHARE"
 WHOLE = ["--no-store-param-remainders"]
 SUBGROUPS = ["--offload-subgroup-size", "10000"]
@@ -48,9 +48,9 @@ def tiers(tmp_path, layout: str, bytes_per_element: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
+def baseline(run_cache):
     """Losses of the plain distributed optimizer (megatron-core's fp32 masters)."""
-    return baseline_losses(tmp_path_factory, BASE)
+    return baseline_losses(run_cache, BASE)
 
 
 def run(tmp_path, flags, name, nproc=1, env=None):
@@ -78,13 +78,13 @@ def test_whole_masters_give_the_remainders_losses(tmp_path, baseline, layout, st
     assert (last["offload/streamed_subgroups"] > 0) == stream
 
 
-def test_remainders_resume_exactly_from_every_tier(tmp_path, baseline, monkeypatch):
+def test_remainders_resume_exactly_from_every_tier(tmp_path, run_cache, baseline, monkeypatch):
     """Device tier, host cache and two paths, the streamed update: a checkpoint at 10
     (its files hold remainders, its manifest says so) resumes on the uninterrupted curve,
     which is the plain optimizer's."""
     monkeypatch.setenv(STREAM, "0.5")
     flags = [*BASE, "--bf16", *tiers(tmp_path, "all-tiers", 10)]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10, runs=run_cache)
     assert losses_of(straight) == baseline("bf16")
     assert losses_of(resumed) == losses_of(straight)
     manifest = json.loads((tmp_path / "ckpt" / "iter_0000010" / "offload" / "rank00000" /

@@ -66,10 +66,10 @@ RAMP = ["--train-samples", "64", "--rampup-batch-size", "2", "2", "20", "--micro
 
 
 @pytest.fixture(scope="module")
-def ramp_run(tmp_path_factory):
-    metrics = tmp_path_factory.mktemp("ramp") / "m.jsonl"
-    run_pretrain([*BASE, *RAMP, "--metrics-path", str(metrics)])
-    return _train_records(metrics)
+def ramp_run(run_cache):
+    """The training records of the ramp run (once a session: also the straight run of
+    test_resume_mid_ramp_is_exact)."""
+    return [r for r in run_cache.run([*BASE, *RAMP]).records if "lm_loss" in r]
 
 
 def test_global_batch_follows_megatron_lms_ramp(ramp_run):
@@ -82,11 +82,12 @@ def test_global_batch_follows_megatron_lms_ramp(ramp_run):
         len(want), want, lr_warmup_steps=6, lr_decay_steps=64, wd_incr_steps=64)
 
 
-def test_resume_mid_ramp_is_exact(tmp_path, ramp_run):
+def test_resume_mid_ramp_is_exact(tmp_path, run_cache, ramp_run):
     want = ramp_batches(64, 2, 2, 20, GBS)
     stop_at = 6
     assert want[stop_at - 1] < want[stop_at] < GBS  # stops inside the ramp
-    straight, resumed = straight_and_resumed(tmp_path, [*BASE, *RAMP], stop_at=stop_at)
+    straight, resumed = straight_and_resumed(tmp_path, [*BASE, *RAMP], stop_at=stop_at,
+                                             runs=run_cache)
     assert [r["lm_loss"] for r in resumed if "lm_loss" in r] == \
         [r["lm_loss"] for r in straight if "lm_loss" in r] == [r["lm_loss"] for r in ramp_run]
     assert [r["lr"] for r in resumed if "lm_loss" in r] == [r["lr"] for r in ramp_run]

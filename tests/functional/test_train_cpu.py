@@ -20,14 +20,13 @@ from mext_testing import (
 )
 
 
-def test_trains_and_loss_falls(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    run_pretrain([*TINY, "--train-iters", "20", "--metrics-path", str(metrics),
-                  "--use-distributed-optimizer"])
-    losses = train_losses(metrics)
+def test_trains_and_loss_falls(run_cache):
+    # The plain run of the golden curve and of the offload and ZenFlow comparisons.
+    run = run_cache.run([*TINY, "--train-iters", "20", "--use-distributed-optimizer"])
+    losses = run.losses
     assert len(losses) == 20
     assert_loss_falls(losses)
-    record = read_metrics(metrics)[-1]
+    record = run.records[-1]
     for key in ("lr", "grad_norm", "loss_scale", "time/forward_s", "time/backward_s",
                 "time/grad_sync_s", "time/optimizer_s", "throughput/tokens_per_s",
                 "throughput/tflops_per_gpu", "memory/host_rss_gib"):
@@ -51,11 +50,12 @@ def test_full_recompute_gives_the_same_losses(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_is_bitwise_exact(tmp_path, precision):
+def test_resume_is_bitwise_exact(tmp_path, run_cache, precision):
     flags = [*TINY, "--train-iters", "20", "--use-distributed-optimizer",
              *precision_flags(precision)]
     straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=10,
-                                             load_flags=["--save", str(tmp_path / "ckpt")])
+                                             load_flags=["--save", str(tmp_path / "ckpt")],
+                                             runs=run_cache)
     assert losses_of(resumed) == losses_of(straight)
 
 

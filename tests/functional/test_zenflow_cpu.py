@@ -51,9 +51,9 @@ def tier_flags(tmp_path) -> list:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """Losses of the plain distributed optimizer, per precision (computed once)."""
-    return baseline_losses(tmp_path_factory, BASE)
+def baseline(run_cache):
+    """Losses of the plain distributed optimizer, per precision (once per session)."""
+    return baseline_losses(run_cache, BASE)
 
 
 def run_zenflow(tmp_path, flags, name="zenflow.jsonl", **kwargs):
@@ -62,13 +62,20 @@ def run_zenflow(tmp_path, flags, name="zenflow.jsonl", **kwargs):
     return out
 
 
+def shared_zenflow(run_cache, tmp_path, flags):
+    """The run of ``flags`` (tier paths under ``tmp_path``), shared with the tests that start
+    the same one (the session's run cache): its records."""
+    return run_cache.run([*BASE, *flags], base=tmp_path).records
+
+
 @pytest.mark.parametrize("place", ["host", "device"])
 @pytest.mark.parametrize("precision", ["fp32"])
-def test_all_columns_selected_equals_plain_adam(tmp_path, baseline, precision, place):
-    out = run_zenflow(tmp_path, [*ALL_SELECTED, *precision_flags(precision),
-                                 "--zenflow-accumulate", place])
-    assert train_losses(out) == baseline(precision)
-    assert read_metrics(out)[-1]["zenflow/accumulate_on_device"] == float(place == "device")
+def test_all_columns_selected_equals_plain_adam(tmp_path, run_cache, baseline, precision,
+                                                place):
+    records = shared_zenflow(run_cache, tmp_path, [*ALL_SELECTED, *precision_flags(precision),
+                                                   "--zenflow-accumulate", place])
+    assert losses_of(records) == baseline(precision)
+    assert records[-1]["zenflow/accumulate_on_device"] == float(place == "device")
 
 
 def test_device_accumulation_equals_host_and_resumes_mid_window(tmp_path):
@@ -100,10 +107,9 @@ def test_device_accumulation_equals_host_and_resumes_mid_window(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_synchronous_steps_equal_plain_adam(tmp_path, baseline, precision):
+def test_synchronous_steps_equal_plain_adam(tmp_path, run_cache, baseline, precision):
     """The CPU side's Adam, accumulation, unscaling and clipping match megatron-core's."""
-    out = run_zenflow(tmp_path, [*ALL_WARMUP, *precision_flags(precision)])
-    records = read_metrics(out)
+    records = shared_zenflow(run_cache, tmp_path, [*ALL_WARMUP, *precision_flags(precision)])
     assert losses_of(records) == baseline(precision)
     # Not trivially so: 70% of the matrix columns were updated by the CPU side.
     last = [r for r in records if "zenflow/selected_ratio" in r][-1]
@@ -153,21 +159,20 @@ def test_async_windows_train_and_report(tmp_path, baseline):
 
 
 @pytest.mark.parametrize("stop_at", [6, 12])
-def test_resume_is_exact(tmp_path, stop_at):
+def test_resume_is_exact(tmp_path, run_cache, stop_at):
     """Stopped mid-window with a CPU update pending (6), or at a re-selection (12)."""
     flags = [*BASE, *ASYNC, *BF16]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at, runs=run_cache)
     assert losses_of(resumed) == losses_of(straight)
     ckpt = tmp_path / "ckpt" / f"iter_{stop_at:07d}"
     assert (ckpt / "zenflow" / "rank00000.pt").is_file()
 
 
 @pytest.fixture(scope="module")
-def plain_checkpoint(tmp_path_factory):
-    """A checkpoint of the plain distributed optimizer after 4 iterations."""
-    ckpt = tmp_path_factory.mktemp("pretrained") / "ckpt"
-    run_pretrain([*BASE, "--train-iters", "4", "--save", str(ckpt)])
-    return ckpt
+def plain_checkpoint(run_cache):
+    """A checkpoint of the plain distributed optimizer after 4 iterations (once a session;
+    the tests only load it)."""
+    return run_cache.run([*BASE, "--train-iters", "4", "--save", "{run}/ckpt"]).directory / "ckpt"
 
 
 def test_finetune_from_a_plain_checkpoint(tmp_path, plain_checkpoint):
@@ -188,28 +193,28 @@ def test_plain_checkpoint_without_finetune_is_one_line_error(plain_checkpoint):
 
 @pytest.mark.parametrize("precision", ["bf16"])
 @pytest.mark.parametrize("selection", ["fixed", "reselect"])
-def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, precision, selection):
+def test_cpu_side_in_offload_tiers_equals_host_memory(tmp_path, run_cache, precision,
+                                                      selection):
     """The CPU side's master and moments in the offload engine (host cache + two paths):
     the same losses as with them in host memory, bit for bit, and they did use the paths;
     also with re-selections (at 8 and 16), which move states between the GPU side and a
     new engine's files."""
     flags = [*(FIXED if selection == "fixed" else ASYNC), *precision_flags(precision)]
-    memory = run_zenflow(tmp_path, flags, name="memory.jsonl")
-    tiers = run_zenflow(tmp_path, [*flags, *tier_flags(tmp_path)], name="tiers.jsonl")
-    assert train_losses(tiers) == train_losses(memory)
-    records = read_metrics(tiers)
+    memory = shared_zenflow(run_cache, tmp_path, flags)
+    records = shared_zenflow(run_cache, tmp_path, [*flags, *tier_flags(tmp_path)])
+    assert losses_of(records) == losses_of(memory)
     for path in (0, 1):
         assert sum(r.get(f"offload/path{path}_write_bytes", 0) for r in records) > 0
         assert sum(r.get(f"offload/path{path}_read_bytes", 0) for r in records) > 0
 
 
 @pytest.mark.parametrize("selection,stop_at", [("fixed", 6), ("reselect", 10)])
-def test_cpu_side_in_offload_tiers_resume_is_exact(tmp_path, selection, stop_at):
+def test_cpu_side_in_offload_tiers_resume_is_exact(tmp_path, run_cache, selection, stop_at):
     """Resumed from a checkpoint (after a re-selection in the second case: the engine of
     the second selection saved its files): the same curve."""
     flags = [*BASE, *(FIXED if selection == "fixed" else ASYNC), *BF16,
              *tier_flags(tmp_path)]
-    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at)
+    straight, resumed = straight_and_resumed(tmp_path, flags, stop_at=stop_at, runs=run_cache)
     assert losses_of(resumed) == losses_of(straight)
     manifest = (tmp_path / "ckpt" / f"iter_{stop_at:07d}" / "zenflow" / "offload"
                 / "rank00000")

@@ -44,31 +44,43 @@ def tiny_tokenizer(tmp_path_factory, small_corpus) -> str:
 
 
 @pytest.fixture(scope="session")
-def finetuned_run(tmp_path_factory):
+def finetuned_run(run_cache, tmp_path_factory):
     """A tiny Llama from transformers' random init, converted in, fine-tuned 40 iterations.
 
     On a repetitive SentencePiece corpus (model_testlib.SENTENCE), with evaluation at
-    iterations 20 and 40: the model memorizes the sentence. Returns a namespace with
-    the paths (hf_in, ckpt_in, ckpt_out, metrics, tokenizer, prefix).
+    iterations 20 and 40: the model memorizes the sentence. Made once a session (the
+    xdist workers share it; the tests only read it). Returns a namespace with the paths
+    (hf_in, ckpt_in, ckpt_out, metrics, tokenizer, prefix).
     """
     import types
 
-    import convert_checkpoint
     import model_testlib as lib
 
-    from mext_testing import run_pretrain
+    def make(root):
+        import convert_checkpoint
 
-    root = tmp_path_factory.mktemp("finetuned")
-    tokenizer, prefix = lib.repetitive_corpus(root / "data")
-    lib.tiny_hf_llama(root / "hf_in", vocab_size=lib.SP_VOCAB)
-    lib.assert_ok(lib.call_tool(convert_checkpoint, "--from", "hf", "--input", root / "hf_in",
-                                "--save", root / "ckpt_in"))
-    metrics = root / "metrics.jsonl"
-    run_pretrain([*lib.flags_file(root / "ckpt_in"), "--seq-length", "32", *lib.TRAIN,
-                  *lib.data_flags(tokenizer, prefix), "--load", str(root / "ckpt_in"),
-                  "--finetune", "--train-iters", "40", "--log-interval", "10",
-                  "--eval-interval", "20", "--eval-iters", "2", "--save", str(root / "ckpt_out"),
-                  "--metrics-path", str(metrics)])
+        from mext_testing import run_pretrain
+
+        tokenizer, prefix = lib.repetitive_corpus(root / "data")
+        lib.tiny_hf_llama(root / "hf_in", vocab_size=lib.SP_VOCAB)
+        lib.assert_ok(lib.call_tool(convert_checkpoint, "--from", "hf", "--input",
+                                    root / "hf_in", "--save", root / "ckpt_in"))
+        run_pretrain([*lib.flags_file(root / "ckpt_in"), "--seq-length", "32", *lib.TRAIN,
+                      *lib.data_flags(tokenizer, prefix), "--load", str(root / "ckpt_in"),
+                      "--finetune", "--train-iters", "40", "--log-interval", "10",
+                      "--eval-interval", "20", "--eval-iters", "2", "--save",
+                      str(root / "ckpt_out"), "--metrics-path", str(root / "metrics.jsonl")])
+
+    import shutil
+
+    root = run_cache.once("finetuned", make)
+    # The corpus copied per worker: megatron-core writes its index cache beside it (not
+    # atomically), and two workers' runs must not build the same one at once.
+    data = tmp_path_factory.mktemp("finetuned-data")
+    shutil.copytree(root / "data", data, dirs_exist_ok=True)
+    # The names lib.repetitive_corpus gives them.
+    tokenizer, prefix = str(data / "tok.model"), str(data / "rep_text_document")
+    assert os.path.isfile(tokenizer) and os.path.isfile(prefix + ".idx")
     return types.SimpleNamespace(root=root, hf_in=root / "hf_in", ckpt_in=root / "ckpt_in",
-                                 ckpt_out=root / "ckpt_out", metrics=metrics,
+                                 ckpt_out=root / "ckpt_out", metrics=root / "metrics.jsonl",
                                  tokenizer=tokenizer, prefix=prefix)

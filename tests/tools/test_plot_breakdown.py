@@ -11,17 +11,18 @@ import json
 import math
 import os
 
+import _breakdown_panels as panels_of
 import matplotlib.image
 import plot_breakdown
 import pytest
-from plot_breakdown import (
+from _breakdown_panels import (
     bar_spans,
     classify_field,
     plan_panels,
-    plot,
     split_records,
     stacked_values,
 )
+from plot_breakdown import plot
 from tools_testlib import assert_ok, assert_usage_error, run_tool
 
 import mext_testing
@@ -283,8 +284,8 @@ def cpu_records(**kwargs):
 
 def test_a_cpu_run_draws_no_flat_zeros_and_says_so(tmp_path):
     train, evals = split_records(cpu_records(offload=True))
-    assert plot_breakdown.ran_on_cpu(train)
-    left_out = plot_breakdown.left_out_fields(train)
+    assert panels_of.ran_on_cpu(train)
+    left_out = panels_of.left_out_fields(train)
     assert left_out == ["offload/device_subgroups_n", "offload/device_tier_gib",
                         "offload/device_update_s", "offload/streamed_subgroups"]
     panels = {p.name: p for p in plan_panels(train, evals)}
@@ -309,7 +310,7 @@ def test_a_gpu_run_keeps_its_zero_fields():
     for record in records:
         record["offload/device_update_s"] = 0.0
     train, evals = split_records(records)
-    assert not plot_breakdown.ran_on_cpu(train) and plot_breakdown.left_out_fields(train) == []
+    assert not panels_of.ran_on_cpu(train) and panels_of.left_out_fields(train) == []
     panels = {p.name: p for p in plan_panels(train, evals)}
     assert "offload/device_update_s" in {s.key for s in panels["offload/time"].series}
 
@@ -318,7 +319,7 @@ def test_a_cpu_run_keeps_a_field_that_is_not_always_zero():
     records = cpu_records(offload=True)
     records[3]["offload/device_update_s"] = 0.01
     train, _ = split_records(records)
-    assert "offload/device_update_s" not in plot_breakdown.left_out_fields(train)
+    assert "offload/device_update_s" not in panels_of.left_out_fields(train)
 
 
 def test_feature_prefixes_come_from_the_records(tmp_path):
@@ -328,7 +329,7 @@ def test_feature_prefixes_come_from_the_records(tmp_path):
         record.update({"prefetch/wait_s": 0.01, "prefetch/hit_rate": 0.9,
                        "prefetch/read_gbps": 3.0})
     train, evals = split_records(records)
-    assert plot_breakdown.feature_prefixes(train) == ["prefetch/"]
+    assert panels_of.feature_prefixes(train) == ["prefetch/"]
     assert [p.name for p in plan_panels(train, evals)] == CORE_PANELS + [
         "prefetch/time", "prefetch/ratio", "prefetch/bandwidth"]
     assert plot(records, str(tmp_path / "p.png"))[-1] == "prefetch/bandwidth"

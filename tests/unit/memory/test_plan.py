@@ -278,3 +278,37 @@ def torch_param(n, grad=True):
     import torch
 
     return torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16), requires_grad=grad)
+
+
+@pytest.mark.parametrize("reserve", [[], ["--offload-host-reserve-gb", "7"]],
+                         ids=["a-tenth", "given"])
+def test_the_host_reserve_is_the_engines_rule(reserve):
+    """One rule for the node's reserve: the plan's share per rank is the engine's."""
+    import dataclasses
+
+    from megatron_ext.memory.plan import _host_reserve
+    from megatron_ext.offload import capacity
+
+    cfg = parse_config([*BIG, "--offload-optimizer", *reserve])
+    off = dataclasses.replace(cfg.offload, offload_mem_available_gb=134.2)
+    engine = capacity.host_memory(off, max_numel=0, buffer_bytes=0, ranks=4)
+    assert engine.reserve == (7 * 10**9 if reserve else 13_420_000_000)
+    assert _host_reserve(cfg, 134_200_000_000, 4) == engine.reserve // 4
+
+
+def test_tiered_states_carry_their_modes_placement():
+    """The plan places tiered states by the mode's rule only (no copy of it of its own)."""
+    from megatron_ext.optim.modes import TieredStates
+
+    with pytest.raises(TypeError, match="place"):
+        TieredStates(elements=10, arrays=(4, 4, 4), subgroup_size=5)
+    cfg = parse_config([*BIG, "--offload-optimizer", "--offload-placement", "round-robin"])
+    cfg.check_world(1)
+    from megatron_ext.optim.modes import mode_of
+
+    states = mode_of(cfg).memory_needs(cfg, model_shape(cfg, 32001, 1), None).tiered
+    assert states.place([100] * 4, [3.0, 1.0], [10**6, 10**6]) == [0, 1, 0, 1]
+    cfg = parse_config([*BIG, "--offload-optimizer"])
+    states = mode_of(cfg).memory_needs(cfg, model_shape(cfg, 32001, 1), None).tiered
+    # The engine's bandwidth rule: 3:1 in bytes, interleaved.
+    assert states.place([100] * 4, [3.0, 1.0], [10**6, 10**6]) == [0, 1, 0, 0]

@@ -12,8 +12,8 @@ from megatron_ext.errors import UsageError
 from megatron_ext.offload import checkpoint
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine
-from megatron_ext.offload.io import OffloadStateError
 from megatron_ext.offload.paths import TierSpec
+from megatron_ext.offload.state_format import OffloadStateError
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.subgroups import ShardParam
 

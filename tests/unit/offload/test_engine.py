@@ -346,7 +346,7 @@ def _lowp_reference(shard, layout):
                          ids=["bf16-moments", "fp16-master"])
 def test_precision_aware_states_are_stored_in_their_dtypes(tmp_path, monkeypatch, names):
     from megatron_ext.offload.config import STREAM_SHARE_ENV
-    from megatron_ext.offload.io import read_header
+    from megatron_ext.offload.state_format import read_header
     from megatron_ext.offload.states import StateLayout
 
     monkeypatch.setenv(STREAM_SHARE_ENV, "0.5")
@@ -476,7 +476,7 @@ def test_remainders_equal_whole_masters_on_every_tier(tmp_path, monkeypatch, cap
     bit for bit on the device tier, the host cache, the paths and the streamed update,
     with 10 (6) bytes per element in every tier's buffers and files."""
     from megatron_ext.offload.config import STREAM_SHARE_ENV
-    from megatron_ext.offload.io import read_header
+    from megatron_ext.offload.state_format import read_header
     from megatron_ext.offload.states import StateLayout
     from megatron_ext.offload.tier_model import TierKind
 

@@ -13,8 +13,10 @@ import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.offload import io as oio
+from megatron_ext.offload import state_format
 from megatron_ext.offload.blockio import ALIGN, aligned_empty
-from megatron_ext.offload.io import OffloadStateError, StateFileIO, read_header, secure_makedirs
+from megatron_ext.offload.io import StateFileIO
+from megatron_ext.offload.state_format import OffloadStateError, read_header, secure_makedirs
 
 IS_ROOT = os.geteuid() == 0
 ID = {"rank": 3, "subgroup": 5}
@@ -69,7 +71,7 @@ def _o_direct_supported(directory) -> bool:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 2 blocks, so that small payloads span many chunks (and threads)."""
-    monkeypatch.setattr(oio, "MIN_CHUNK", 2 * ALIGN)
+    monkeypatch.setattr(state_format, "MIN_CHUNK", 2 * ALIGN)
 
 
 # -- aligned buffers ---------------------------------------------------------------------
@@ -122,7 +124,7 @@ def test_round_trip_real_chunk_size(tmp_path):
     elements = 2_000_000
     path, payload = _write(tmp_path, elements=elements, threads=4)
     header = read_header(path)
-    assert header["chunk_bytes"] == oio.MIN_CHUNK and len(header["chunk_digests"]) == 3
+    assert header["chunk_bytes"] == state_format.MIN_CHUNK and len(header["chunk_digests"]) == 3
     out, step = _read(path, elements=elements, threads=4)
     assert step == 7 and torch.equal(_bits(out), _bits(payload))
 
@@ -130,8 +132,8 @@ def test_round_trip_real_chunk_size(tmp_path):
 def test_chunk_count_is_bounded():
     for nbytes in [0, 1, 12, 8 << 20, (8 << 20) + 1, 3 << 30, 12 * 10**8, 10**11]:
         chunk = oio.chunk_bytes(nbytes)
-        assert chunk % ALIGN == 0 and chunk >= oio.MIN_CHUNK
-        assert -(-nbytes // chunk) <= oio.MAX_CHUNKS
+        assert chunk % ALIGN == 0 and chunk >= state_format.MIN_CHUNK
+        assert -(-nbytes // chunk) <= state_format.MAX_CHUNKS
 
 
 def test_format_is_independent_of_threads(tmp_path, small_chunks):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.offload import blockio, probe
+from megatron_ext.offload import blockio, probe, state_format
 from megatron_ext.offload import io as oio
 from megatron_ext.offload.probe import probe_bandwidth
 
@@ -100,5 +100,5 @@ def test_probe_reports_a_short_read_as_eio(tmp_path, monkeypatch):
 
 
 def test_probe_plan_block_is_the_engines_chunk():
-    assert probe.PROBE_BLOCK_MB * MIB == oio.MIN_CHUNK
+    assert probe.PROBE_BLOCK_MB * MIB == state_format.MIN_CHUNK
     assert probe.probe_plan(10**9) == (probe.PROBE_MAX_MB, probe.PROBE_BLOCK_MB)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatron_ext.offload.config import OffloadConfig
-from megatron_ext.offload.io import OffloadStateError
 from megatron_ext.offload.jobdir import JobDirs
 from megatron_ext.offload.paths import TierSpec
 from megatron_ext.offload.plan import TierPlan
+from megatron_ext.offload.state_format import OffloadStateError
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import partition
@@ -216,7 +216,7 @@ def test_a_fetch_waits_for_the_subgroups_own_flush(tmp_path):
 @pytest.mark.parametrize("moments", ["fp32", "bf16"])
 def test_remainder_layout_round_trips_through_cache_and_files(tmp_path, moments):
     """Remainders: 10 (6) bytes per element in the host buffers and files, bit for bit."""
-    from megatron_ext.offload.io import read_header
+    from megatron_ext.offload.state_format import read_header
 
     layout = StateLayout.from_names("fp32", moments, moments).with_remainders()
     assert layout.bytes_per_element == (10 if moments == "fp32" else 6)

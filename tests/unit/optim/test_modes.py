@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from megatron_ext.checkpoint import checkpointing, integrity
+from megatron_ext.checkpoint import integrity, load_checks
 from megatron_ext.config import parse_config
 from megatron_ext.errors import UsageError
 from megatron_ext.optim import modes
@@ -62,7 +62,7 @@ def test_mode_of_each_flag_combination(flags, name):
     ({"zenflow": {"zenflow": True}, "offload": {"offload_optimizer": True}}, "--zenflow"),
 ])
 def test_optimizer_kind_of_saved_configs(saved, words):
-    assert checkpointing._optimizer_kind(saved) == words
+    assert load_checks.optimizer_kind(saved) == words
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -184,7 +184,7 @@ def test_a_new_mode_is_built_and_asked_without_touching_training_code(isolated_r
         with pytest.raises(UsageError, match="^--fake does not support --fp16$"):
             config("--fp16")
         # The checkpoint load names it.
-        assert checkpointing._optimizer_kind(cfg) == "the fake optimizer"
+        assert load_checks.optimizer_kind(cfg) == "the fake optimizer"
         # The memory plan asks it (the default: megatron-core's states on the GPU).
         from megatron_ext.memory.machine import Machine
         from megatron_ext.memory.plan import plan_run
