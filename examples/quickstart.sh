@@ -32,12 +32,14 @@ step() { printf '\n== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; 
 # at its pinned version (as when the test suite runs this script inside the venv CI built
 # from them), so nothing needs installing. Reads the installed packages' metadata without
 # importing them (importing torch and megatron-core takes seconds); a local build tag such
-# as torch's +cu130 does not count as a different version.
+# as torch's +cu130 does not count as a different version. A pin with a python_version marker
+# counts only where the marker holds (megatron-core's two pins).
 has_requirements() {
   local python="$1"
   shift
   "$python" - "$@" 2>/dev/null <<'PYCHECK'
 import importlib.metadata as md
+import re
 import sys
 
 def installed(name):
@@ -46,8 +48,25 @@ def installed(name):
     except md.PackageNotFoundError:
         return None
 
-pins = [line.split("#")[0].strip().split("==") for path in sys.argv[1:] for line in open(path)]
-sys.exit(0 if all(installed(p[0]) == p[1] for p in pins if len(p) == 2) else 1)
+def applies(marker):
+    # An environment marker such as: python_version < "3.12" (the only kind the files use).
+    # A marker this cannot read counts as not installed, so the script installs as usual.
+    if not marker:
+        return True
+    m = re.fullmatch(r'python_version\s*(<=|>=|==|!=|<|>)\s*["\'](\d+(?:\.\d+)*)["\']', marker)
+    if m is None:
+        raise SystemExit(1)
+    have, want = sys.version_info[:2], tuple(int(x) for x in m.group(2).split("."))
+    return {"<": have < want, "<=": have <= want, ">": have > want, ">=": have >= want,
+            "==": have == want, "!=": have != want}[m.group(1)]
+
+pins = []
+for path in sys.argv[1:]:
+    for line in open(path):
+        spec, _, marker = line.split("#")[0].strip().partition(";")
+        if "==" in spec and applies(marker.strip()):
+            pins.append(spec.strip().split("=="))
+sys.exit(0 if all(installed(p[0]) == p[1] for p in pins) else 1)
 PYCHECK
 }
 ACTIVATE=""
