@@ -22,6 +22,7 @@ STAGING_ENV = "MEGATRON_EXT_ZENFLOW_STAGING_SLOTS"
 FREE_BYTES_ENV = "MEGATRON_EXT_ZENFLOW_DEVICE_FREE_BYTES"
 JITTER_ENV = "MEGATRON_EXT_ZENFLOW_JITTER"
 NO_HOST_KERNELS_ENV = "MEGATRON_EXT_NO_HOST_KERNELS"
+CACHE_SUBGROUP_ENV = "MEGATRON_EXT_ZENFLOW_CACHE_SUBGROUP_SIZE"
 
 
 def _whole_number(what: str):
@@ -125,6 +126,14 @@ class ZenFlowConfig:
     zenflow_jitter: float = knob(0.0, env=JITTER_ENV, parse=_seconds)
     """Test hook: a maximum delay in seconds, slept at random before each task of the CPU
     side's threads."""
+    zenflow_cache_subgroup_size: Optional[int] = knob(None, env=CACHE_SUBGROUP_ENV,
+                                                      parse=_whole_number("elements"))
+    """Test hook: the subgroup size (elements) of the offload engine that takes the CPU
+    side's states when the memory plan moves them to its host cache without
+    --offload-optimizer (--zenflow-cpu-states auto); unset, the default
+    --offload-subgroup-size. A tiny model's states fit in one default subgroup, whose
+    pipeline buffers cost more host memory than the move saves: smaller subgroups let a CPU
+    test take that path."""
     zenflow_no_host_kernels: bool = knob(False, env=NO_HOST_KERNELS_ENV, parse=_disabled)
     """The host accumulation uses torch's ops instead of the one-pass C kernel
     (runtime/host_kernels.py), for comparisons; the same results bit for bit. The variable

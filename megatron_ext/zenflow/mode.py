@@ -154,10 +154,16 @@ class ZenFlowMode(Mode):
         states = plan.host.items.get("ZenFlow CPU states")
         if not (zen.cpu_states_auto and zen.zenflow_cpu_states == "host" and states):
             return None
+        off = cfg.offload
+        size = off.offload_subgroup_size
         zen.zenflow_cpu_states = "tiers"
+        # Without --offload-optimizer the engine's flags keep their defaults: only the test
+        # hook sizes its subgroups (the plan and the engine both read the offload section).
+        off.offload_subgroup_size = zen.zenflow_cache_subgroup_size or size
 
         def undo():
             zen.zenflow_cpu_states = "host"
+            off.offload_subgroup_size = size
 
         return (f"zenflow: the CPU side's states ({gb(states)} GB in host memory) leave too "
                 "little host memory for the rest of the run: they live in the offload "
