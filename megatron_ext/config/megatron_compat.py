@@ -197,7 +197,8 @@ MEGATRON_LM = {
     "--distributed-backend": "gloo with --device cpu; nccl only on GPUs",
     "--ckpt-format": "torch_dist only (the default there)",
     "--save": "--save-interval is optional: without it, saves at the end of training",
-    "--save-interval": "optional with --save (required there)",
+    "--save-interval": "optional with --save (required there); without --save nothing is "
+                       "saved, as there, and the log says so",
     "--log-throughput": "TFLOP/s from the 6N estimate, not Megatron-LM's per-layer FLOP count",
     "--tokenizer-type": "not given: GPT2BPETokenizer with --vocab-file / --merge-file "
                         "(pretrain_gpt.py's default there), else NullTokenizer with "

@@ -23,7 +23,9 @@ class CheckpointConfig:
     load: Optional[str] = None
     """Directory to resume from (the iteration named by its 'latest' pointer)."""
     save_interval: Optional[int] = None
-    """Save every this many iterations (and at the end of training when --save is given)."""
+    """Save every this many iterations into --save (and at the end of training when --save
+    is given). Without --save nothing is saved, as in Megatron-LM (a launch script whose
+    --save line was dropped keeps running; the log says so at start-up)."""
     finetune: bool = False
     """Load only the model weights from --load: iteration, data position, optimizer and
     scheduler start fresh."""
@@ -58,6 +60,13 @@ class CheckpointConfig:
     """On --load, keep the checkpoint's learning-rate and weight-decay schedule and ignore
     the flags' (Megatron-LM's flag). Without this or --override-opt_param-scheduler, a
     schedule that differs from the checkpoint's is refused, naming what differs."""
+
+    def save_note(self) -> Optional[str]:
+        """The start-up's line when --save-interval is given without --save (else None)."""
+        if self.save_interval and not self.save:
+            return (f"--save-interval {self.save_interval} without --save: no checkpoint will "
+                    "be saved (give --save DIR to save them)")
+        return None
 
     def __post_init__(self):
         positive(self, "save_interval")

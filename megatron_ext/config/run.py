@@ -91,8 +91,6 @@ class RunConfig:
             )
         if data.data_path and data.tokenizer_type is None:
             raise UsageError("--data-path needs --tokenizer-type (and --tokenizer-model)")
-        if ckpt.save_interval and not ckpt.save:
-            raise UsageError("--save-interval needs --save DIR")
         if self.training.skip_train:
             # Megatron-LM: --skip-train enables --no-load-optim (nothing is trained).
             ckpt.load_optim = False

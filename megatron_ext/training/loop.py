@@ -97,6 +97,8 @@ class Trainer(Steps):
         _setup_logging(rt.rank)
         # Before anything is read or written: one run per --save directory.
         self.save_lock = save_lock.take(cfg.checkpoint.save, rt)
+        if cfg.checkpoint.save_note():
+            log.info("%s", cfg.checkpoint.save_note())
         if cfg.training.deterministic_mode:
             _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)

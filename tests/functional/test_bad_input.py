@@ -216,8 +216,6 @@ FLAG_CASES = {
     "mock and data path": (lambda d: MOCK + ["--data-path", f"{d}/ok"], "are exclusive"),
     "no data": (lambda d: ["--vocab-size", "100"], "no training data"),
     "finetune without load": (lambda d: MOCK + ["--finetune"], "--finetune needs --load"),
-    "save interval without save": (lambda d: MOCK + ["--save-interval", "1"],
-                                   "--save-interval needs --save DIR"),
     "use checkpoint args without load": (lambda d: MOCK + ["--use-checkpoint-args"],
                                          "--use-checkpoint-args needs --load"),
     "both scheduler sources": (

@@ -158,6 +158,11 @@ CASES = [
     Case("llama-v16", V16, LLAMA, LLAMA_ALL, llama_args, refused="--fp8-format"),
     Case("llama-v16-bf16", V16, LLAMA, LLAMA_ALL, llama_args, BF16),
     Case("llama-v16-bf16-real-data", V16, LLAMA, LLAMA_ALL, llama_real_args, BF16),
+    # Its checkpoint lines dropped (--save, and --load of the same directory, which here
+    # starts from scratch only as --save's): --save-interval stays and saves nothing, as
+    # there.
+    Case("llama-v16-bf16-without-save", V16, LLAMA, LLAMA_ALL, llama_args, BF16,
+         drop=('--save "$CHECKPOINT_PATH"', '--load "$CHECKPOINT_PATH"')),
     Case("llama-v19", V19, LLAMA, LLAMA_ALL, llama_args, refused="--fp8-format"),
     Case("llama-v19-bf16", V19, LLAMA, LLAMA_ALL, llama_args, BF16),
     Case("llama-v19-bf16-real-data", V19, LLAMA, LLAMA_ALL, llama_real_args, BF16),
@@ -333,6 +338,20 @@ def test_llama3_script_trains(tmp_path):
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert list((tmp_path / "profile").iterdir())  # --profile 2..3 wrote its files
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # --tensorboard-dir
+
+
+def test_llama3_script_without_save_trains_and_saves_nothing(tmp_path):
+    """Megatron-LM's meaning of --save-interval without --save: nothing is saved; here the
+    log says so in one line."""
+    argv = script_argv(BY_ID["llama-v16-bf16-without-save"], tmp_path)
+    assert "--save" not in argv and "--load" not in argv and "--save-interval" in argv
+    metrics = tmp_path / "m.jsonl"
+    out = run_pretrain([*argv, *LOCAL, "--metrics-path", str(metrics), *_profile_on_cpu(tmp_path)])
+    assert [r["iteration"] for r in read_metrics(metrics) if "lm_loss" in r] == [1, 2, 3]
+    assert ("--save-interval 2 without --save: no checkpoint will be saved (give --save DIR "
+            "to save them)") in out.stdout.splitlines()
+    assert "saved checkpoint" not in out.stdout
+    assert not list((tmp_path / "ckpt").iterdir())
 
 
 def test_llama3_v19_script_trains_on_real_data(tmp_path):
