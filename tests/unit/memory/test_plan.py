@@ -312,3 +312,18 @@ def test_tiered_states_carry_their_modes_placement():
     states = mode_of(cfg).memory_needs(cfg, model_shape(cfg, 32001, 1), None).tiered
     # The engine's bandwidth rule: 3:1 in bytes, interleaved.
     assert states.place([100] * 4, [3.0, 1.0], [10**6, 10**6]) == [0, 1, 0, 0]
+
+
+def test_zenflow_refit_sizes_the_cache_engines_subgroups_by_the_test_hook(monkeypatch):
+    """MEGATRON_EXT_ZENFLOW_CACHE_SUBGROUP_SIZE: the moved states' engine takes subgroups of
+    that size (the plan and the engine read it from the offload section). Half the default
+    halves the pipeline and the re-selection's subgroups: the 133.6 GB host of the test
+    above now fits; an undone refit gives the default back."""
+    monkeypatch.setenv("MEGATRON_EXT_ZENFLOW_CACHE_SUBGROUP_SIZE", "50000000")
+    cfg, p, note = settled(LLAMA, 133.6)
+    assert note is not None and not p.refusals
+    assert cfg.offload.offload_subgroup_size == 50_000_000
+    assert p.host.items["ZenFlow re-selection"] == 1_100_000_000 + 2 * 5 * 10**8
+    cfg, p, note = settled(LLAMA, 60.0)
+    assert note is None and cfg.zenflow.zenflow_cpu_states == "host"
+    assert cfg.offload.offload_subgroup_size == 100_000_000
