@@ -19,6 +19,7 @@ import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.optim.adamw import adam_update
+from megatron_ext.zenflow.kept_weights import KeptWeights, keep_for
 from megatron_ext.zenflow.moves import KINDS, Fill, Move
 
 Renew = Callable[[Dict[int, int]], Dict[int, torch.Tensor]]
@@ -250,6 +251,9 @@ class TieredCpuStates(CpuStates):
         self._source = None
         """(engine, its groups) that :meth:`read` reads while :meth:`replace` fills a new
         engine."""
+        self._kept: Optional[KeptWeights] = None
+        """During :meth:`replace`: the replaced engine's weights that the new engine's fill
+        wrote over (its ``out`` and the new one's share memory: :mod:`.kept_weights`)."""
         self._grads: Dict[int, torch.Tensor] = {}
         self._init: Dict[int, torch.Tensor] = {}
         self._upload: Dict[int, torch.Tensor] = {}
@@ -300,7 +304,13 @@ class TieredCpuStates(CpuStates):
     def read(self, group: int, start: int, length: int, outs: List[torch.Tensor]) -> None:
         """From the engine (the replaced one during :meth:`replace`)."""
         engine, groups = self._source or (self.engine, sorted(self.sizes))
-        engine.read_states(groups.index(group), start, length, outs)
+        param = groups.index(group)
+        if self._source is not None and self._kept is not None:
+            # The replaced engine's weights where the new one has written its own.
+            with self._kept.reading(param, start, length):
+                engine.read_states(param, start, length, outs)
+            return
+        engine.read_states(param, start, length, outs)
 
     def replace(self, sizes: Dict[int, int], upload: Dict[int, torch.Tensor],
                 fill: Fill) -> None:
@@ -329,15 +339,19 @@ class TieredCpuStates(CpuStates):
             if sizes:
                 self.engine = self._new_engine(sizes, upload)
                 step = old.step_count if old is not None else 0
-                before = (_releasing(self.engine, step, groups, old, old_groups, reads)
-                          if old is not None and reads is not None else None)
+                self._kept = keep_for(old, self.engine)
+                release = (_releasing(self.engine, step, groups, old, old_groups, reads,
+                                      self._kept)
+                           if old is not None and reads is not None else None)
                 self.engine.initialize_from(
                     lambda param, start, length, views: fill(groups[param], start, length,
-                                                             views), step=step, before=before)
+                                                             views), step=step,
+                    before=_before_fill(self.engine, release, self._kept))
             else:
                 self.engine = None
         finally:
             self._source = None
+            self._kept = None
         if old is not None:
             old.close()
 
@@ -399,8 +413,25 @@ class TieredCpuStates(CpuStates):
             self.engine.close()
 
 
+def _before_fill(new, release: Optional[Callable[[int], None]],
+                 kept: Optional[KeptWeights]) -> Optional[Callable[[int], None]]:
+    """The new engine's fill's ``before(index)``: releases, then keeps old weights.
+
+    The old subgroups no later fill reads are released (``release``), then the old weights
+    that new subgroup ``index``'s write covers are kept (:class:`~.kept_weights.KeptWeights`).
+    """
+    if kept is None:
+        return release
+
+    def before(index: int) -> None:
+        if release is not None:
+            release(index)
+        kept.save(new.subgroups[index].pieces)
+    return before
+
+
 def _releasing(new, step: int, groups: List[int], old, old_groups: List[int],
-               reads: Callable) -> Callable[[int], None]:
+               reads: Callable, kept: Optional[KeptWeights] = None) -> Callable[[int], None]:
     """The new engine's fill's ``before(index)``: frees old subgroups no later fill reads.
 
     The new engine fills its subgroups in a known order (``fill_order``); ``reads`` says
@@ -432,6 +463,8 @@ def _releasing(new, step: int, groups: List[int], old, old_groups: List[int],
             done[0] += 1
             for old_index in by_place.get(done[0], ()):
                 old.release(old_index)
+                if kept is not None:
+                    kept.release(old_index)
     return before
 
 

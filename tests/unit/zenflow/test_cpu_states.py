@@ -174,6 +174,31 @@ def test_replace_keeps_every_value(place, make_offload_engine):
         states.close()
 
 
+def test_replace_into_the_replaced_engines_weight_memory_keeps_every_value(
+        make_offload_engine):
+    """The new upload buffers are views of the old ones' memory (a GPU machine's page-locked
+    buffers, reused): group 0 shrinks into its old buffer, group 1 grows out of its own.
+    The old engine's masters keep their bf16 half there; the fill of every new subgroup
+    reads all the old states (after earlier subgroups wrote their weights over them), and
+    still gets each value."""
+    states = TieredCpuStates(make_offload_engine)
+    try:
+        old_upload = trained(states, SIZES, 2)
+        old = read_all(states, SIZES)
+        upload = {0: old_upload[0][:NEW_SIZES[0]],
+                  1: torch.zeros(NEW_SIZES[1], dtype=torch.bfloat16)}
+        written = {g: torch.zeros(n, dtype=torch.int64) for g, n in NEW_SIZES.items()}
+        states.replace(NEW_SIZES, upload, refill(states, written))
+        new = read_all(states, NEW_SIZES)
+        for group, sources in SOURCES.items():
+            expected = [torch.stack([old[g][k][i] for g, i in sources]) for k in range(3)]
+            assert_same({group: new[group]}, {group: expected})
+            assert torch.equal(upload[group], new[group][0].to(torch.bfloat16))
+        assert states._kept is None  # the kept weights go with the replaced engine
+    finally:
+        states.close()
+
+
 def test_host_and_tiers_agree_after_a_replace(make_offload_engine):
     results = []
     for states in (HostCpuStates(), TieredCpuStates(make_offload_engine)):

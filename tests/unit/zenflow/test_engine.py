@@ -17,6 +17,7 @@ selected by gradient energy at step 1 and re-selected at window ends.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -641,3 +642,44 @@ def test_auto_place_from_the_injected_free_memory(free, place):
         assert_same(engine, shards, ref)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("case", ["S3-k0.25-reselect6-warmup2", "S1-k0.5-reselect1",
+                                  "S4-k0.1-reselect8"])
+def test_reselection_with_reused_upload_buffers_keeps_the_old_engines_weights(
+        tmp_path, case, monkeypatch):
+    """On a GPU machine the upload buffers are page-locked and reused across re-selections
+    (``CpuWorker._pinned_views``): the new engine's fill writes its weights into the very
+    memory where the old engine's masters keep their bf16 half (remainders), while later
+    pieces of the fill still read the old masters. Simulated here without pinning: the
+    reference's states and weights, bit for bit, through every re-selection (both fill
+    orders: the fill runs opposite to the next step's alternating order)."""
+    from megatron_ext.offload import blockio
+
+    monkeypatch.setattr(blockio, "aligned_empty",
+                        functools.partial(_unpinned, blockio.aligned_empty))
+    monkeypatch.setattr(cpu_worker.CpuWorker, "_upload_buffers",
+                        lambda self, sizes: self._pinned_views("upload", sizes, self.model_dtype))
+    from megatron_ext.zenflow import cpu_states
+
+    shared = []
+    keep_for = cpu_states.keep_for
+    monkeypatch.setattr(cpu_states, "keep_for",
+                        lambda old, new: shared.append(keep_for(old, new)) or shared[-1])
+    made = []
+    cfg = ZenFlowConfig(zenflow=True, **CASES[case])
+    engine, shards, ref, _ = run_both(cfg, torch.bfloat16, steps=25, keep_open=True,
+                                      make_cpu_engine=tiered_engine_factory(
+                                          tmp_path, torch.bfloat16, made))
+    try:
+        assert engine.states.engine.layout.remainders
+        assert len(made) >= 3
+        # The reuse really happened: new engines wrote where old ones kept their weights.
+        assert sum(kept is not None for kept in shared) >= 2
+        assert_same(engine, shards, ref)
+    finally:
+        engine.close()
+
+
+def _unpinned(aligned_empty, nbytes, dtype=torch.uint8, pin=False):
+    return aligned_empty(nbytes, dtype, pin=False)
