@@ -200,9 +200,13 @@ class HostCpuStates(CpuStates):
     def load_state_dict(self, saved: Dict[str, Dict[int, torch.Tensor]]) -> None:
         """Copies the saved states in; refuses a state without them (saved by the tiers)."""
         if self.master and not saved.get("master"):
+            # Also a run without --offload-optimizer whose memory plan moved the states to
+            # the offload engine's host cache (auto), resumed where host memory has room.
             raise UsageError("the ZenFlow state holds no CPU-side states: it was saved with "
-                             "--zenflow-cpu-states tiers (in the offload tiers); resume with "
-                             "the same")
+                             "--zenflow-cpu-states tiers (in the offload engine, given by "
+                             "--offload-optimizer or chosen by auto where host memory was "
+                             "short); resume with --offload-optimizer (and the "
+                             "--offload-subgroup-size it was saved with)")
         for kind, store in zip(KINDS, self._stores()):
             for group, tensor in saved.get(kind, {}).items():
                 store[group].copy_(tensor)
@@ -383,7 +387,8 @@ class TieredCpuStates(CpuStates):
         """
         if any(saved.get(kind) for kind in KINDS):
             raise UsageError("the ZenFlow state holds the CPU side's states: it was saved with "
-                             "--zenflow-cpu-states host (in host memory); resume with the same")
+                             "--zenflow-cpu-states host (in host memory); resume with "
+                             "--zenflow-cpu-states host")
         for group, tensor in saved.get("params", {}).items():
             self._upload[group].copy_(tensor)
 
