@@ -42,6 +42,29 @@ import sys
 import torch
 
 
+def _megatron_sees_a_gpu(torch_is_available):
+    """``torch.cuda.is_available`` that says True to Megatron-LM and the truth to torch.
+
+    Megatron-LM asserts a GPU at start-up (``initialize.py``: "Megatron requires CUDA.").
+    torch itself asks the same function (through ``torch.accelerator.is_available()``)
+    before it touches the driver: the DataLoader's ``pin_memory``, Adam's graph-capture
+    check (``Optimizer._accelerator_graph_capture_health_check``). A global True was
+    harmless with a CPU build of torch (no accelerator compiled in: those checks never
+    reach ``is_available``), but torch's CUDA build (the only one PyPI has for Python 3.12,
+    which Megatron-LM core_v0.19.0 needs) then initializes the absent driver and fails. So
+    the answer depends on the caller: code outside ``torch`` (Megatron-LM, megatron-core)
+    sees a GPU, torch's own modules get the real answer (False on this machine).
+    """
+
+    def is_available() -> bool:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "torch" or caller.startswith("torch."):
+            return torch_is_available()
+        return True
+
+    return is_available
+
+
 def cpu_stand_ins() -> None:
     """Megatron-LM on a machine without a GPU.
 
@@ -57,7 +80,7 @@ def cpu_stand_ins() -> None:
 
     cpu_compat.install()
     cuda = torch.cuda
-    cuda.is_available = lambda: True
+    cuda.is_available = _megatron_sees_a_gpu(cuda.is_available)
     cuda.device_count = lambda: 1
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
@@ -85,32 +108,74 @@ def cpu_stand_ins() -> None:
     mlm_initialize._warmup_jit_function = lambda *a, **k: None
 
 
+def _fixes_wanted() -> set[int]:
+    """The resume fixes that ``MLM_RESUME_FIXES`` asks for.
+
+    ``1,2`` (the default), ``1``, ``2`` or ``none`` (to see whether a Megatron-LM version
+    still needs them).
+    """
+    value = os.environ.get("MLM_RESUME_FIXES", "1,2").strip()
+    if value == "none":
+        return set()
+    wanted = {part.strip() for part in value.split(",")}
+    if not wanted <= {"1", "2"}:
+        sys.exit(f"error: MLM_RESUME_FIXES={value!r}: give 1,2 (the default), 1, 2 or none")
+    return {int(part) for part in wanted}
+
+
+def _say(message: str) -> None:
+    print(f"megatron_lm_launch: {message}", flush=True)
+
+
 def _optimizer_resume_fixes() -> None:
+    """Installs the two resume fixes (the module docstring says why).
+
+    Each says in the log when it acts and what it found.
+    """
     from megatron.core.optimizer import distrib_optimizer as do
 
     if do.HAVE_APEX_OR_TE:
+        _say("Apex or Transformer Engine importable: no resume fixes")
         return
-    print("megatron_lm_launch: no Apex or Transformer Engine: applying the two resume fixes "
-          "for torch's AdamW (bench/megatron_lm_launch.py)", flush=True)
+    wanted = _fixes_wanted()
+    _say(f"no Apex or Transformer Engine: resume fixes for torch's AdamW installed: "
+         f"{sorted(wanted) or 'none'} (MLM_RESUME_FIXES; bench/megatron_lm_launch.py)")
     sharded_state_dict = do.DistributedOptimizer.sharded_state_dict
     load_state_dict = do.DistributedOptimizer.load_state_dict
 
     def sharded_with_states(self, model_sharded_state_dict, is_loading=False, **kwargs):
         if is_loading and not self.optimizer.state:
-            self._init_optimizer_states_with_dummy_values()
+            if 1 in wanted:
+                _say("fix 1 applied: torch's AdamW has no state before the load; dummy states "
+                     "made (as megatron-core's FSDP path does), the load overwrites them")
+                self._init_optimizer_states_with_dummy_values()
+            else:
+                _say("fix 1 would apply (torch's AdamW has no state before the load); off")
         return sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
 
     def load_with_group_steps(self, state_dict):
         load_state_dict(self, state_dict)
-        for group in self.optimizer.param_groups:
+        for index, group in enumerate(self.optimizer.param_groups):
             if "step" not in group:
                 continue
-            for param in group["params"]:
-                state = self.optimizer.state.get(param, {})
-                if "step" in state:
-                    state["step"] = torch.tensor(float(group["step"]),
-                                                 dtype=state["step"].dtype,
-                                                 device=state["step"].device)
+            states = [self.optimizer.state[p] for p in group["params"]
+                      if "step" in self.optimizer.state.get(p, {})]
+            found = sorted({float(s["step"]) for s in states})
+            shared = len({id(s["step"]) for s in states}) < len(states)
+            right = found == [float(group["step"])] and not shared
+            if right:
+                _say(f"fix 2 not needed in param group {index}: each of its {len(states)} "
+                     f"steps is its own tensor holding the group's step {group['step']}")
+                continue
+            what = (f"param group {index}: group step {group['step']}, per-parameter steps "
+                    f"{found}{' (tensors shared between parameters)' if shared else ''}")
+            if 2 not in wanted:
+                _say(f"fix 2 would apply ({what}); off")
+                continue
+            _say(f"fix 2 applied ({what}): each step set from the group's")
+            for state in states:
+                state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
+                                             device=state["step"].device)
 
     do.DistributedOptimizer.sharded_state_dict = sharded_with_states
     do.DistributedOptimizer.load_state_dict = load_with_group_steps

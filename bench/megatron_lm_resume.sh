@@ -20,19 +20,24 @@
 #     (Megatron-LM through this project's CUDA-to-CPU layer: a functional check, not the GPU;
 #     it compiles its dataset helpers, so pybind11 must be installed; the CPU checkpoints of
 #     this project hold no CUDA generator state, so Megatron-LM loads them with --no-load-rng)
+#   PYTHON=/path/to/python picks the interpreter for both sides (default python3), e.g. a
+#     Python 3.12 venv with megatron-core 0.19.2 for Megatron-LM at core_v0.19.0 on the CPU;
+#   MLM_RESUME_FIXES=none (or 1, or 2) turns bench/megatron_lm_launch.py's resume fixes off,
+#     to see whether a Megatron-LM version still needs them (its log says when each acts).
 set -uo pipefail
 : "${MLM_DIR:?give MLM_DIR, the Megatron-LM source directory (tag core_v0.16.1 or core_v0.19.0)}"
 N="${1:-20}"
 M="${2:-10}"
 DEVICE="${DEVICE:-cuda}"
+PYTHON="${PYTHON:-python3}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 if [ "$DEVICE" = cpu ]; then
   OUT="${OUT:-/tmp/megatron-lm-resume}"; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-  LAUNCH=(python3 "$HERE/megatron_lm_launch.py" --cpu)
+  LAUNCH=("$PYTHON" "$HERE/megatron_lm_launch.py" --cpu)
   MLM_RNG=(--no-load-rng)
 else
   . "$HERE/gpu_setup.sh"
-  LAUNCH=(torchrun --nproc-per-node 1 --master-port "${MASTER_PORT:-29533}"
+  LAUNCH=("$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-port "${MASTER_PORT:-29533}"
           "$HERE/megatron_lm_launch.py")
   MLM_RNG=()
 fi
@@ -42,7 +47,7 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 
 # Megatron-LM imports six (its BERT tokenizer) at start-up; a stand-in if it is missing.
 SHIM="$OUT/shim"
-if ! python3 -c "import six" 2>/dev/null; then
+if ! "$PYTHON" -c "import six" 2>/dev/null; then
   mkdir -p "$SHIM"
   printf 'PY2 = False\nPY3 = True\ntext_type = str\nbinary_type = bytes\nstring_types = (str,)\n' \
       > "$SHIM/six.py"
@@ -54,7 +59,7 @@ fi
 # layer norm is Apex's (an AssertionError in the local RMSNorm without --no-persist-layer-norm).
 IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
       --no-rope-fusion --no-persist-layer-norm)
-python3 -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
+"$PYTHON" -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
 
 # The same run for both: flags grouped by concern, Megatron-LM's names and meanings.
 MODEL=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256
@@ -71,7 +76,7 @@ CKPT=(--ckpt-format torch_dist --save-interval "$N" --dist-ckpt-strictness log_a
 
 this_project() {  # this_project LOGNAME FLAGS...
   local name="$1"; shift
-  python3 pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" \
+  "$PYTHON" pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" \
       --device "$DEVICE" --wandb-mode disabled "$@" > "$OUT/$name.log" 2>&1
   echo "this project ($name): exit $?"
 }
@@ -91,8 +96,13 @@ losses() {  # the 'iteration K/ T ... lm loss: X' of a log (Megatron-LM's has a 
 }
 
 {
+  echo "== versions ($PYTHON, DEVICE=$DEVICE)"
+  echo "this project: $("$PYTHON" -c 'import sys, torch, megatron.core as m
+print("Python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)')"
+  echo "Megatron-LM: $(cd "$MLM_DIR" && PYTHONPATH="$MLM_DIR" "$PYTHON" -c 'import megatron.core as m
+print("its megatron/core", m.__version__, "from", m.__file__)' 2>&1 | tail -1)"
   echo "== Megatron-LM's pretrain_gpt.py --help (imports: $MLM_DIR)"
-  PYTHONPATH="$MLM_DIR:$SHIM:${PYTHONPATH:-}" python3 "$MLM_DIR/pretrain_gpt.py" --help \
+  PYTHONPATH="$MLM_DIR:$SHIM:${PYTHONPATH:-}" "$PYTHON" "$MLM_DIR/pretrain_gpt.py" --help \
       > "$OUT/megatron_lm_help.log" 2>&1 && echo ok || tail -5 "$OUT/megatron_lm_help.log"
 
   echo "== 1. this project trains $N iterations and saves; Megatron-LM loads and trains $M"
