@@ -98,7 +98,8 @@ losses() {  # the 'iteration K/ T ... lm loss: X' of a log (Megatron-LM's has a 
 {
   echo "== versions ($PYTHON, DEVICE=$DEVICE)"
   echo "this project: $("$PYTHON" -c 'import sys, torch, megatron.core as m
-print("Python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)')"
+print("Python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)' \
+      2>/dev/null)"
   echo "Megatron-LM: $(cd "$MLM_DIR" && PYTHONPATH="$MLM_DIR" "$PYTHON" -c 'import megatron.core as m
 print("its megatron/core", m.__version__, "from", m.__file__)' 2>&1 | tail -1)"
   echo "== Megatron-LM's pretrain_gpt.py --help (imports: $MLM_DIR)"
