@@ -106,6 +106,39 @@ def cpu_stand_ins() -> None:
     import megatron.training.initialize as mlm_initialize
 
     mlm_initialize._warmup_jit_function = lambda *a, **k: None
+    _helpers_for_this_interpreter()
+
+
+def _helpers_for_this_interpreter() -> None:
+    """Megatron-LM's dataset helpers built for the interpreter that runs them.
+
+    Its ``compile_helpers`` runs ``make``, whose Makefile asks ``python3`` (pybind11's
+    include flags) and ``python3-config`` (the extension suffix) on PATH: not necessarily
+    this interpreter. Under pyenv the tags' own ``.python-version`` (3.12) picks them inside
+    MLM_DIR, so a Python 3.11 run got a ``cpython-312`` module it cannot import. The same
+    ``make``, with the include flags and the suffix of ``sys.executable`` given on its
+    command line (pybind11 must be importable here).
+    """
+    import subprocess
+    import sysconfig
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    def compile_helpers() -> None:
+        includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"],
+                                  capture_output=True, text=True, check=False)
+        if includes.returncode != 0:
+            sys.exit(f"error: {sys.executable} -m pybind11 failed (Megatron-LM compiles its "
+                     f"dataset helpers with it): pip install pybind11\n{includes.stderr}")
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        _say(f"dataset helpers: make with {sys.executable}'s pybind11 includes and {suffix}")
+        folder = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+        command = ["make", "-C", folder, f"CPPFLAGS={includes.stdout.strip()}",
+                   f"LIBEXT={suffix}"]
+        if subprocess.run(command, check=False).returncode != 0:
+            sys.exit("error: compiling Megatron-LM's dataset helpers failed (see above)")
+
+    dataset_utils.compile_helpers = compile_helpers
 
 
 def _fixes_wanted() -> set[int]:
