@@ -66,8 +66,17 @@ MODEL=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256
        --max-position-embeddings 256 --position-embedding-type rope --normalization RMSNorm
        --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
        --hidden-dropout 0 --attention-dropout 0 "${IMPL[@]}")
-DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size 8191 --split 969,30,1
-      --num-workers 0)
+DATA=(--mock-data --tokenizer-type NullTokenizer --split 969,30,1 --num-workers 0)
+# NullTokenizer's --vocab-size changed meaning at Megatron-LM core_v0.19.0: it was V ids plus
+# the EOD (id V; core_v0.16.1, and this project), it is V ids with the EOD the last of them
+# (id V-1). Mock data is made of ids modulo the vocabulary and the EOD, so the same 8191 + EOD
+# (padded to 8192 either way) is --vocab-size 8192 for such a Megatron-LM.
+VOCAB=(--vocab-size 8191)
+MLM_VOCAB=(--vocab-size 8191)
+if grep -q "eod_id=None" "$MLM_DIR/megatron/core/tokenizers/text/libraries/null_tokenizer.py" \
+    2>/dev/null; then
+  MLM_VOCAB=(--vocab-size 8192)
+fi
 TRAIN=(--micro-batch-size 4 --global-batch-size 16 --train-iters $((N + M)) --bf16
        --use-distributed-optimizer --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5
        --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --seed 1234)
@@ -76,7 +85,7 @@ CKPT=(--ckpt-format torch_dist --save-interval "$N" --dist-ckpt-strictness log_a
 
 this_project() {  # this_project LOGNAME FLAGS...
   local name="$1"; shift
-  "$PYTHON" pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" \
+  "$PYTHON" pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${VOCAB[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" \
       --device "$DEVICE" --wandb-mode disabled "$@" > "$OUT/$name.log" 2>&1
   echo "this project ($name): exit $?"
 }
@@ -84,7 +93,7 @@ this_project() {  # this_project LOGNAME FLAGS...
 megatron_lm() {  # megatron_lm LOGNAME FLAGS...
   local name="$1"; shift
   PYTHONPATH="$MLM_DIR:$SHIM:$(cd "$HERE/.." && pwd):${PYTHONPATH:-}" "${LAUNCH[@]}" \
-      "${MODEL[@]}" "${DATA[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" "$@" \
+      "${MODEL[@]}" "${DATA[@]}" "${MLM_VOCAB[@]}" "${TRAIN[@]}" "${LOG[@]}" "${CKPT[@]}" "$@" \
       > "$OUT/$name.log" 2>&1
   echo "Megatron-LM ($name): exit $?"
 }
@@ -102,6 +111,7 @@ print("Python", sys.version.split()[0], "torch", torch.__version__, "megatron-co
       2>/dev/null)"
   echo "Megatron-LM: $(cd "$MLM_DIR" && PYTHONPATH="$MLM_DIR" "$PYTHON" -c 'import megatron.core as m
 print("its megatron/core", m.__version__, "from", m.__file__)' 2>&1 | tail -1)"
+  echo "NullTokenizer: this project ${VOCAB[*]}, Megatron-LM ${MLM_VOCAB[*]} (the same tokens)"
   echo "== Megatron-LM's pretrain_gpt.py --help (imports: $MLM_DIR)"
   PYTHONPATH="$MLM_DIR:$SHIM:${PYTHONPATH:-}" "$PYTHON" "$MLM_DIR/pretrain_gpt.py" --help \
       > "$OUT/megatron_lm_help.log" 2>&1 && echo ok || tail -5 "$OUT/megatron_lm_help.log"
