@@ -7,8 +7,10 @@
 #      --load's that checkpoint and trains M more iterations;
 #   3. the reverse: Megatron-LM trains N and saves, this project --load's and trains M more;
 #   plus each side's uninterrupted N+M iterations as the reference.
-# Prints the loss curves and the iteration each side resumed at; logs go to $OUT
-# (this_project_*.log, megatron_lm_*.log, summary.txt).
+# Prints the loss curves and the iteration each side resumed at, then compares the saved
+# checkpoints tensor by tensor (the straight runs' at N and N+M, and each resumed run's at N+M
+# against the straight run of the side it resumed from: bitwise equal where both compute the
+# same thing); logs go to $OUT (this_project_*.log, megatron_lm_*.log, summary.txt).
 #
 # Usage (repository root; Megatron-LM's source in MLM_DIR: tag core_v0.16.1, or core_v0.19.0
 # with MCORE=0.19.2, which bench/gpu_setup.sh reads: this project then runs on megatron-core
@@ -57,8 +59,11 @@ fi
 # this project accepts both, same math), and rope fusion is Transformer Engine's too
 # (Megatron-LM's default; a ValueError there without --no-rope-fusion), and the persistent
 # layer norm is Apex's (an AssertionError in the local RMSNorm without --no-persist-layer-norm).
+# --attention-backend unfused: megatron-core's DotProductAttention on both sides (Megatron-LM's
+# local spec has no other; this project would take torch's SDPA, ~1e-5 apart), so that the
+# two compute the same thing and their checkpoints can be compared bit for bit.
 IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
-      --no-rope-fusion --no-persist-layer-norm)
+      --no-rope-fusion --no-persist-layer-norm --attention-backend unfused)
 "$PYTHON" -c "import transformer_engine" 2>/dev/null && IMPL=(--transformer-impl transformer_engine)
 
 # The same run for both: flags grouped by concern, Megatron-LM's names and meanings.
@@ -138,5 +143,15 @@ print("its megatron/core", m.__version__, "from", m.__file__)' 2>&1 | tail -1)"
   echo "== reference: Megatron-LM straight for $((N + M)) iterations"
   megatron_lm megatron_lm_straight --save "$WORK/mlm_straight"
   echo "Megatron-LM straight: $(losses "$OUT/megatron_lm_straight.log")"
+
+  echo "== checkpoints compared tensor by tensor (model and optimizer states; bench/megatron_lm_compare.py)"
+  at_n="$(printf iter_%07d "$N")"; at_end="$(printf iter_%07d $((N + M)))"
+  for pair in "straight/$at_n mlm_straight/$at_n" "straight/$at_end mlm_straight/$at_end" \
+              "straight/$at_end a_mlm/$at_end" "mlm_straight/$at_end b_mext/$at_end"; do
+    set -- $pair
+    echo "$1 against $2:"
+    [ -d "$WORK/$1" ] && [ -d "$WORK/$2" ] || { echo "  not both saved"; continue; }
+    "$PYTHON" "$HERE/megatron_lm_compare.py" "$WORK/$1" "$WORK/$2" 2>&1 | tail -12
+  done
   grep -h -E "^error|Error|Traceback" "$OUT"/*.log | head -20
 } 2>&1 | tee "$OUT/summary.txt"
