@@ -1,16 +1,16 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with two resume fixes, optionally on the CPU.
 
-Runs it from its source in ``MLM_DIR``; the fixes are for megatron-core 0.16.1 without Apex
-or Transformer Engine.
+Runs it from its source in ``MLM_DIR`` (tags core_v0.16.1 and core_v0.19.0); the fixes are
+for its megatron-core without Apex or Transformer Engine.
 
 Used by ``bench/megatron_lm_resume.sh``; not part of this project's training path.
 
 Usage: ``MLM_DIR=/path/to/megatron-lm python bench/megatron_lm_launch.py [--cpu] FLAGS...``
 (under torchrun on a GPU: ``torchrun --nproc-per-node 1 bench/megatron_lm_launch.py FLAGS``).
 
-Without Apex or Transformer Engine, megatron-core 0.16.1's ``DistributedOptimizer`` uses
-torch's AdamW, and Megatron-LM cannot resume any ``torch_dist`` checkpoint with its
-optimizer, its own included:
+Without Apex or Transformer Engine, megatron-core's ``DistributedOptimizer`` (0.16.1, and
+still at core_v0.19.0) uses torch's AdamW, and Megatron-LM cannot resume any ``torch_dist``
+checkpoint with its optimizer, its own included:
 
 1. ``DistributedOptimizer.state_dict()`` asserts (``assert len(steps) == 1``) when torch's
    Adam has no state yet, which is always the case when ``load_checkpoint`` builds the
@@ -23,15 +23,27 @@ optimizer, its own included:
    the resume uses the wrong bias correction (on the CPU the next iteration's grad norm was
    1.659 or 1.709 instead of 1.670). Fix: each parameter's step is set from its group's.
 
+Both are still needed at core_v0.19.0 (checked on the CPU, 2026-12-03; ``MLM_RESUME_FIXES``
+turns them off): without fix 1 the load stops at that assert; without fix 2 every step is
+one tensor shared by all parameters holding the dummy step 1 where the checkpoint says 4
+(the next grad norm 1.931 instead of 1.908, and 9 of the 12 tensors of the checkpoint four
+iterations later differ from the uninterrupted run's, which with both fixes it equals bit
+for bit). The log says when each acts and what it found; fix 2 also acts on megatron-core's
+own ``load_state_dict(state_dict())`` round trip while the load is prepared (on the dummy
+states: harmless, and said so).
+
 Neither fix is applied when Apex or Transformer Engine is importable (megatron-core then
 uses their fused Adam and another path).
 
 ``--cpu``: Megatron-LM's training on the CPU through this project's CUDA-to-CPU layer
 (``megatron_ext.runtime.cpu_compat``) plus stand-ins for the few CUDA calls Megatron-LM's
-own training makes (device count, CUDA generator state: the CPU's, the nvcc version check
-of its legacy fused kernels), gloo instead of nccl, and its torch.compile'd fusions off
-(``--no-bias-swiglu-fusion --no-bias-dropout-fusion``; the JIT warm-up is skipped). A
-functional check of flags, checkpoint load and save: not a measurement, and not the GPU.
+own training makes (a GPU to Megatron-LM's code only, device count, CUDA generator state:
+the CPU's, the nvcc version check of its legacy fused kernels), its dataset helpers built
+for the running interpreter, gloo instead of nccl, and its torch.compile'd fusions off
+(``--no-bias-swiglu-fusion --no-bias-dropout-fusion``; the JIT warm-up is skipped). Works
+with a CPU build of torch and with a CUDA build on a machine without a driver (PyPI's only
+torch for Python 3.12, which core_v0.19.0 needs). A functional check of flags, checkpoint
+load and save: not a measurement, and not the GPU.
 """
 from __future__ import annotations
 
@@ -175,6 +187,8 @@ def _optimizer_resume_fixes() -> None:
          f"{sorted(wanted) or 'none'} (MLM_RESUME_FIXES; bench/megatron_lm_launch.py)")
     sharded_state_dict = do.DistributedOptimizer.sharded_state_dict
     load_state_dict = do.DistributedOptimizer.load_state_dict
+    # While the load is prepared, megatron-core itself calls load_state_dict(state_dict()).
+    preparing = {"load": False}
 
     def sharded_with_states(self, model_sharded_state_dict, is_loading=False, **kwargs):
         if is_loading and not self.optimizer.state:
@@ -184,10 +198,16 @@ def _optimizer_resume_fixes() -> None:
                 self._init_optimizer_states_with_dummy_values()
             else:
                 _say("fix 1 would apply (torch's AdamW has no state before the load); off")
-        return sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        preparing["load"] = is_loading
+        try:
+            return sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        finally:
+            preparing["load"] = False
 
     def load_with_group_steps(self, state_dict):
         load_state_dict(self, state_dict)
+        source = ("megatron-core's round trip while it prepares the load, on the dummy states"
+                  if preparing["load"] else "the checkpoint's optimizer state")
         for index, group in enumerate(self.optimizer.param_groups):
             if "step" not in group:
                 continue
@@ -197,11 +217,13 @@ def _optimizer_resume_fixes() -> None:
             shared = len({id(s["step"]) for s in states}) < len(states)
             right = found == [float(group["step"])] and not shared
             if right:
-                _say(f"fix 2 not needed in param group {index}: each of its {len(states)} "
-                     f"steps is its own tensor holding the group's step {group['step']}")
+                _say(f"fix 2 not needed in param group {index} ({source}): each of its "
+                     f"{len(states)} steps is its own tensor holding the group's step "
+                     f"{group['step']}")
                 continue
-            what = (f"param group {index}: group step {group['step']}, per-parameter steps "
-                    f"{found}{' (tensors shared between parameters)' if shared else ''}")
+            what = (f"param group {index}, {source}: group step {group['step']}, "
+                    f"per-parameter steps {found}"
+                    f"{' (tensors shared between parameters)' if shared else ''}")
             if 2 not in wanted:
                 _say(f"fix 2 would apply ({what}); off")
                 continue
