@@ -20,7 +20,8 @@
 #     annotated-types and typing-inspection added: Megatron-LM's training imports pydantic)
 #   on the CPU: DEVICE=cpu MLM_DIR=... OUT=... bash bench/megatron_lm_resume.sh 4 4
 #     (Megatron-LM through this project's CUDA-to-CPU layer: a functional check, not the GPU;
-#     it compiles its dataset helpers, so pybind11 must be installed; the CPU checkpoints of
+#     it compiles its dataset helpers, so pybind11 must be installed, and core_v0.16.1
+#     imports triton at start-up (PyPI's CUDA torch brings it); the CPU checkpoints of
 #     this project hold no CUDA generator state, so Megatron-LM loads them with --no-load-rng)
 #   PYTHON=/path/to/python picks the interpreter for both sides (default python3), e.g. a
 #     Python 3.12 venv with megatron-core 0.19.2 for Megatron-LM at core_v0.19.0 on the CPU;
