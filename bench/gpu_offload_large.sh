@@ -94,10 +94,13 @@ fi
     nvidia-smi --query-gpu=memory.used --format=csv,noheader; } >> "$OUT/memory.txt"
     sleep 15; done ) &
 MONITOR=$!
+# 32000 ids + EOD (padded to 32128) on every megatron-core: NullTokenizer's --vocab-size
+# counts the EOD from 0.18 (runtime/mcore_compat.py), so that is 32001 there.
+VOCAB="$(python3 -c 'from megatron_ext.runtime.mcore_compat import null_vocab_includes_eod as f; print(32001 if f() else 32000)')"
 set -x
 timeout "${LIMIT:-540}" python3 pretrain_gpt.py "${SHAPE[@]}" --seq-length 2048 \
     --max-position-embeddings 2048 --micro-batch-size "${MBS:-1}" \
-    --global-batch-size "${GBS:-64}" --mock-data --vocab-size 32000 \
+    --global-batch-size "${GBS:-64}" --mock-data --vocab-size "$VOCAB" \
     --bf16 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 \
     --lr-decay-style cosine --num-workers 0 --log-interval 1 --eval-iters 0 --eval-interval 1000 \
     --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 "${OFFLOAD[@]}" \

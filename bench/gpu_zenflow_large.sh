@@ -21,9 +21,11 @@ mkdir -p "$TIER"
     du -sh /dev/shm/zenflow-tier 2>/dev/null; } >> "$OUT/memory.txt"; sleep 15; done ) &
 MONITOR=$!
 export MEGATRON_EXT_ZENFLOW_STAGING_SLOTS="${SLOTS:-1}"
+# 32000 ids + EOD on every megatron-core (NullTokenizer's --vocab-size counts the EOD from 0.18).
+VOCAB="$(python3 -c 'from megatron_ext.runtime.mcore_compat import null_vocab_includes_eod as f; print(32001 if f() else 32000)')"
 timeout "${LIMIT:-470}" python3 pretrain_gpt.py --num-layers 32 --hidden-size 4096 \
     --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048 \
-    --micro-batch-size 1 --mock-data --vocab-size 32000 --bf16 --grad-reduce-in-bf16 --lr-decay-style cosine --num-workers 0 \
+    --micro-batch-size 1 --mock-data --vocab-size "$VOCAB" --bf16 --grad-reduce-in-bf16 --lr-decay-style cosine --num-workers 0 \
     --use-distributed-optimizer \
     --lr 1e-5 --min-lr 1e-6 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0 \
     --wandb-mode disabled --hidden-dropout 0 --attention-dropout 0 \

@@ -73,11 +73,12 @@ MODEL=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256
        --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
        --hidden-dropout 0 --attention-dropout 0 "${IMPL[@]}")
 DATA=(--mock-data --tokenizer-type NullTokenizer --split 969,30,1 --num-workers 0)
-# NullTokenizer's --vocab-size changed meaning at Megatron-LM core_v0.19.0: it was V ids plus
-# the EOD (id V; core_v0.16.1, and this project), it is V ids with the EOD the last of them
-# (id V-1). Mock data is made of ids modulo the vocabulary and the EOD, so the same 8191 + EOD
-# (padded to 8192 either way) is --vocab-size 8192 for such a Megatron-LM.
-VOCAB=(--vocab-size 8191)
+# NullTokenizer's --vocab-size changed meaning at Megatron-LM core_v0.18.0: it was V ids plus
+# the EOD (id V; core_v0.16.1), it is V ids with the EOD the last of them (id V-1). This
+# project follows the installed megatron-core's tag (runtime/mcore_compat.py). Mock data is
+# made of ids modulo the vocabulary and the EOD, so the same 8191 ids + EOD (padded to 8192
+# either way) is --vocab-size 8192 on each side that counts the EOD.
+VOCAB=(--vocab-size "$("$PYTHON" -c 'from megatron_ext.runtime.mcore_compat import null_vocab_includes_eod as f; print(8192 if f() else 8191)' 2>/dev/null || echo 8191)")
 MLM_VOCAB=(--vocab-size 8191)
 if grep -q "eod_id=None" "$MLM_DIR/megatron/core/tokenizers/text/libraries/null_tokenizer.py" \
     2>/dev/null; then

@@ -25,11 +25,25 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from megatron_ext.runtime.mcore_compat import null_vocab_includes_eod  # noqa: E402
+
+
+def vocab_size_flag(ids: int) -> str:
+    """--vocab-size for ``ids`` token ids plus the end-of-document id on the installed version.
+
+    NullTokenizer's --vocab-size follows Megatron-LM at the installed megatron-core's tag
+    (from 0.18 it counts the EOD): the rows stay one model on 0.16.1 and 0.19.2 (32000 ids +
+    EOD, padded to 32128, as every row measured before).
+    """
+    return str(ids + 1 if null_vocab_includes_eod() else ids)
+
 
 REFERENCE = [
     "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
     "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "4",
-    "--mock-data", "--vocab-size", "32000", "--bf16", "--use-distributed-optimizer",
+    "--mock-data", "--vocab-size", vocab_size_flag(32000), "--bf16",
+    "--use-distributed-optimizer",
     "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--log-interval", "1",
     "--eval-iters", "0", "--wandb-mode", "disabled", "--hidden-dropout", "0",
     "--attention-dropout", "0",
@@ -78,7 +92,8 @@ def main() -> int:
         args = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
                 "--seq-length", "128", "--max-position-embeddings", "128",
                 "--micro-batch-size", "4", "--mock-data", "--vocab-size",
-                "1000", "--log-interval", "1", "--eval-iters", "0", "--wandb-mode", "disabled",
+                vocab_size_flag(1000), "--log-interval", "1", "--eval-iters", "0",
+                "--wandb-mode", "disabled",
                 "--use-distributed-optimizer", "--lr", "1e-3", "--lr-decay-style", "cosine",
                 "--num-workers", "0"]
     reps = []

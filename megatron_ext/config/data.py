@@ -50,8 +50,10 @@ class DataConfig:
     tokenizer.json (HuggingFaceTokenizer; local files only), or Megatron-LM's tiktoken
     JSON vocabulary (TikTokenizer)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer and --mock-data without a tokenizer; with
-    TikTokenizer the whole vocabulary, special tokens included (default 131072)."""
+    """Vocabulary size for NullTokenizer and --mock-data without a tokenizer (as Megatron-LM
+    at the installed megatron-core's tag: with 0.16.1/0.17 V ids plus the end-of-document id
+    V; from 0.18, e.g. 0.19.2, V ids with end-of-document V-1); with TikTokenizer the whole
+    vocabulary, special tokens included (default 131072)."""
     vocab_file: Optional[str] = None
     """GPT2BPETokenizer's vocabulary (GPT-2's vocab.json)."""
     merge_file: Optional[str] = None

@@ -29,8 +29,10 @@ TikTokenizer               tiktoken over Megatron-LM's JSON vocabulary (a list o
                            tokens (``--tokenizer-special-tokens``, default ``<unk> <s> </s>``,
                            then ``<SPECIAL_N>`` fillers); ``--vocab-size`` is the whole
                            vocabulary (default 2**17); EOD ``</s>``
-NullTokenizer              ids as they are (whitespace-separated integers); EOD
-                           ``--vocab-size``, vocabulary ``--vocab-size`` + 1
+NullTokenizer              ids as they are (whitespace-separated integers); as Megatron-LM
+                           at the installed megatron-core's tag: up to 0.17 EOD
+                           ``--vocab-size``, vocabulary ``--vocab-size`` + 1; from 0.18
+                           EOD ``--vocab-size`` - 1, vocabulary ``--vocab-size``
 ========================== ===================================================================
 
 Everything here is local-file only: nothing is downloaded.
@@ -55,6 +57,7 @@ from megatron_ext.data.tokenizer_flags import (  # noqa: F401 (the names' old ho
     special_tokens,
 )
 from megatron_ext.errors import UsageError
+from megatron_ext.runtime.mcore_compat import null_vocab_includes_eod
 
 log = logging.getLogger("megatron_ext")
 
@@ -450,11 +453,22 @@ class TikTokenizer(_Tokenizer):
 
 
 class NullTokenizer(_Tokenizer):
-    """Ids used as they are; EOD is the id just past them (Megatron-LM's NullTokenizer)."""
+    """Ids used as they are (Megatron-LM's NullTokenizer).
 
-    def __init__(self, vocab_size: int):
-        self.eod = int(vocab_size)
-        self.vocab_size = self.eod + 1
+    Args:
+        vocab_size: ``--vocab-size``.
+        includes_eod: whether it counts the end-of-document id (Megatron-LM from
+            core_v0.18.0: EOD ``vocab_size - 1``); otherwise EOD is the id just past them
+            (up to core_v0.17: ``vocab_size + 1`` ids). By default as the installed
+            megatron-core's Megatron-LM (:func:`~megatron_ext.runtime.mcore_compat.
+            null_vocab_includes_eod`).
+    """
+
+    def __init__(self, vocab_size: int, includes_eod: Optional[bool] = None):
+        if includes_eod is None:
+            includes_eod = null_vocab_includes_eod()
+        self.vocab_size = int(vocab_size) + (0 if includes_eod else 1)
+        self.eod = self.vocab_size - 1
         super().__init__(vocab_size=self.vocab_size)
 
     def tokenize(self, text: str) -> List[int]:

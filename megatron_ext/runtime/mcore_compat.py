@@ -26,6 +26,9 @@ the ramp of --rampup-batch-size (the     ``runtime/batch_schedule.py``: the ramp
 ``RampupBatchsizeNumMicroBatches         this project's own pure rule (0.16.1's), so
 Calculator`` class) is gone; 0.19        it means the same on both
 ignores ``rampup_batch_size``
+NullTokenizer's ``--vocab-size`` (from    :func:`null_vocab_includes_eod`: this
+0.18): V ids with EOD V-1 (0.16.1/0.17:  project's NullTokenizer means what the
+V ids plus EOD V, V+1 in all)            installed version's Megatron-LM means
 new deprecation notices (GPTModel,       :func:`quiet`: dropped by message, the other
 ``load_common``, mcore async save,       lines of those loggers kept
 MimoModelConfig, torch DCP's no-dist
@@ -100,6 +103,21 @@ def check_version(version: Optional[str] = None) -> str:
         raise UsageError(f"megatron-core {version} is installed; this project runs on 0.16.1 "
                          f"up to 0.20 (tested: {tested}): {how}")
     return version
+
+
+def null_vocab_includes_eod(version: Optional[str] = None) -> bool:
+    """Whether NullTokenizer's ``--vocab-size`` V counts the end-of-document id.
+
+    Megatron-LM's NullTokenizer changed at core_v0.18.0: V ids, EOD V-1. Up to 0.17 it
+    was V ids plus EOD V (V+1 in all). This project follows the installed version, so a
+    Megatron-LM script's ``--vocab-size`` builds the same embedding and the same mock data
+    as Megatron-LM at the tag of that megatron-core (and their checkpoints interchange).
+
+    Args:
+        version: megatron-core's version; the installed one by default.
+    """
+    version = installed_version() if version is None else version
+    return version is not None and _parse(version) >= (0, 18, 0)
 
 
 # ------------------------------------------------------------------ DDP

@@ -220,3 +220,17 @@ def test_bad_tokenizer_flags(files, kw, message):
     kw = {k: v.format(**files) if isinstance(v, str) else v for k, v in kw.items()}
     with pytest.raises(UsageError, match=message):
         tk.build_tokenizer(_args(**kw))
+
+
+@pytest.mark.parametrize("includes_eod, vocab, eod", [(False, 101, 100), (True, 100, 99)])
+def test_null_tokenizer_vocab_as_megatron_lm_at_each_tag(includes_eod, vocab, eod):
+    tok = tk.NullTokenizer(100, includes_eod=includes_eod)
+    assert (tok.vocab_size, tok.eod) == (vocab, eod)
+    assert tok.tokenize("3 1 4") == [3, 1, 4] and tok.detokenize([3, 1, 4]) == "3 1 4"
+
+
+def test_null_tokenizer_follows_the_installed_megatron_core():
+    from megatron_ext.runtime.mcore_compat import installed_version, null_vocab_includes_eod
+
+    tok = tk.NullTokenizer(100)
+    assert tok.vocab_size == (100 if null_vocab_includes_eod(installed_version()) else 101)

@@ -140,3 +140,11 @@ def test_deprecation_notices_go_other_lines_stay(caplog):
         logging.getLogger("megatron.core.dist_checkpointing.strategies.common").warning(
             "load_common is deprecated and will be removed in a future release.")
     assert [r.getMessage() for r in caplog.records] == ["something else about the model"]
+
+
+@pytest.mark.parametrize("version, includes", [("0.16.1", False), ("0.17.1", False),
+                                               ("0.18.0", True), ("0.19.2", True)])
+def test_null_vocab_counts_eod_from_0_18(version, includes):
+    # Megatron-LM's NullTokenizer: V ids plus EOD V up to core_v0.17, V ids with EOD V-1
+    # from core_v0.18.0 (megatron/core/tokenizers/text/libraries/null_tokenizer.py).
+    assert mcore_compat.null_vocab_includes_eod(version) is includes
