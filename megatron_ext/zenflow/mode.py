@@ -114,6 +114,10 @@ class ZenFlowMode(Mode):
             # rows it still reads; the others are freed after their last read).
             host["ZenFlow re-selection"] = (host["offload pipeline"]
                                             + 2 * state_nbytes(arrays, biggest))
+            if arrays[0] == 2:
+                # Masters as remainders: the old weights under those two subgroups' writes
+                # are kept aside while old reads still need them (zenflow/kept_weights.py).
+                host["ZenFlow re-selection"] += 2 * biggest * shape.param_bytes
             interval = zen.zenflow_update_interval
             tiered = TieredStates(
                 elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,

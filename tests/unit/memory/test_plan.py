@@ -226,7 +226,8 @@ def test_zenflow_auto_moves_host_states_that_do_not_fit_to_the_host_cache():
 def test_zenflow_host_cache_counts_the_reselection_beside_the_states():
     """The H200's 133.6 GB: the host cache's states (73 GB), the window mean and the new
     weights fit (118.6 GB, bench/results/2026-12-03c-h200 call2's plan), but not with what
-    a re-selection holds besides (a second engine's pipeline and two subgroups: 4.2 GB):
+    a re-selection holds besides (a second engine's pipeline, two subgroups and the weights
+    kept under them: 4.6 GB):
     the refit is undone and the refusal names the paths that take the rest."""
     cfg, p, note = settled(LLAMA, 133.6)
     assert note is None and p.refusals
@@ -238,7 +239,8 @@ def test_zenflow_host_cache_counts_the_reselection_beside_the_states():
     tiers = plan_run(cfg, 128256, 1, target_machine(150.1, 133.6, [], 590.0))
     assert one_line(tiers.refusals[0]).endswith("3 GB more: add --offload-paths DIR with 3 GB "
                                                 "free")
-    assert tiers.host.items["ZenFlow re-selection"] == 2_200_000_000 + 2 * 10**9
+    # the kept weights: two subgroups of bf16 weights (zenflow/kept_weights.py)
+    assert tiers.host.items["ZenFlow re-selection"] == 2_200_000_000 + 2 * 10**9 + 4 * 10**8
 
 
 def test_zenflow_auto_keeps_host_states_where_they_fit():
@@ -323,7 +325,7 @@ def test_zenflow_refit_sizes_the_cache_engines_subgroups_by_the_test_hook(monkey
     cfg, p, note = settled(LLAMA, 133.6)
     assert note is not None and not p.refusals
     assert cfg.offload.offload_subgroup_size == 50_000_000
-    assert p.host.items["ZenFlow re-selection"] == 1_100_000_000 + 2 * 5 * 10**8
+    assert p.host.items["ZenFlow re-selection"] == 1_100_000_000 + 2 * 5 * 10**8 + 2 * 10**8
     cfg, p, note = settled(LLAMA, 60.0)
     assert note is None and cfg.zenflow.zenflow_cpu_states == "host"
     assert cfg.offload.offload_subgroup_size == 100_000_000
