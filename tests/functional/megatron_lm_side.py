@@ -214,12 +214,21 @@ def save(root, stop, flags, legacy=False):
 
 
 def main(argv):
+    from megatron_ext.runtime.distributed import shutdown
+
     split = argv.index("--")
     mine, flags = argv[:split], argv[split + 1:]
-    if mine[0] == "load":
-        report = mine[2] if len(mine) > 2 else None
-        return load(mine[1], flags, report)
-    return save(mine[1], int(mine[2]), flags, legacy=mine[0] == "save-legacy")
+    try:
+        if mine[0] == "load":
+            report = mine[2] if len(mine) > 2 else None
+            return load(mine[1], flags, report)
+        return save(mine[1], int(mine[2]), flags, legacy=mine[0] == "save-legacy")
+    finally:
+        # As pretrain_gpt.py ends (training/loop.py): the process groups destroyed before
+        # the interpreter exits. Left to the exit, gloo's threads were sometimes destroyed
+        # while joinable ("terminate called without an active exception", SIGABRT, seen at
+        # PP=2 on a loaded machine).
+        shutdown()
 
 
 if __name__ == "__main__":
