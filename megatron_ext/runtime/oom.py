@@ -2,7 +2,8 @@
 
 torch's CUDA out-of-memory error is a paragraph, and the traceback above it sixty lines; a
 host that runs out raises ``MemoryError`` (numpy), a ``RuntimeError`` (torch's CPU
-allocator) or, under ``ulimit -v``, an ``ImportError`` while a library maps its segments.
+allocator) or, under ``ulimit -v``, an ``ImportError`` while a library maps its segments
+or a ``RuntimeError`` (EAGAIN) where a thread cannot map its stack.
 :func:`classify` tells them apart from any other error and :func:`oom_line` writes the
 line: ``out of memory on cuda:0 while <phase> (asked 2.00 GiB, 1.10 GiB free of 139.81
 GiB): <advice>``. Pure functions of the messages (and of /proc/meminfo's text), so they are
@@ -23,6 +24,8 @@ _SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*(bytes|[KMGT]i?B|B)"
 _DEVICE_MARKERS = ("CUDA out of memory", "CUDA error: out of memory", "HIP out of memory")
 _HOST_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "failed to map segment",
                  "Cannot allocate memory", "std::bad_alloc")
+# EAGAIN: what starting a thread says when its stack cannot be mapped (see classify).
+_THREAD_MARKER = "Resource temporarily unavailable"
 
 
 @dataclasses.dataclass
@@ -62,8 +65,17 @@ def size_text(nbytes: Optional[int]) -> str:
     return f"{nbytes / (1 << 20):.2f} MiB"
 
 
-def classify(exc: BaseException) -> Optional[str]:
-    """``device`` for GPU out-of-memory, ``host`` for the host's, None for other errors."""
+def classify(exc: BaseException, limited: Optional[bool] = None) -> Optional[str]:
+    """``device`` for GPU out-of-memory, ``host`` for the host's, None for other errors.
+
+    Args:
+        exc: the error.
+        limited: whether the process runs under an address-space limit (``ulimit -v``;
+            read from the process by default). Under one, a thread that cannot be started
+            (``Resource temporarily unavailable``: no room to map its stack, e.g. gloo's
+            process-group threads) is the host's memory too; without one that message
+            means something else (a busy resource) and stays an ordinary error.
+    """
     name = type(exc).__name__
     first = str(exc)
     if name == "OutOfMemoryError" or any(m in first for m in _DEVICE_MARKERS):
@@ -73,6 +85,11 @@ def classify(exc: BaseException) -> Optional[str]:
     if isinstance(exc, (RuntimeError, ImportError, OSError)) and any(
             m in first for m in _HOST_MARKERS):
         return "host"
+    if isinstance(exc, (RuntimeError, OSError)) and _THREAD_MARKER in first:
+        if limited is None:
+            limited = address_space_limit() is not None
+        if limited:
+            return "host"
     return None
 
 

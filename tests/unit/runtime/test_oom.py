@@ -56,6 +56,14 @@ def test_classify():
     assert oom.classify(ValueError("Cannot allocate memory")) is None
 
 
+def test_a_thread_that_cannot_start_is_host_memory_only_under_ulimit_v():
+    # gloo's process-group threads under ulimit -v: no room to map a stack (EAGAIN).
+    eagain = RuntimeError("Resource temporarily unavailable")
+    assert oom.classify(eagain, limited=True) == "host"
+    assert oom.classify(eagain, limited=False) is None
+    assert oom.classify(ValueError("Resource temporarily unavailable"), limited=True) is None
+
+
 def test_the_line():
     line = oom.oom_line(oom.device_shortage(CUDA_OOM_MESSAGE), "taking the optimizer step",
                         "try --offload-optimizer")
