@@ -125,9 +125,9 @@ class OffloadEngine:
                                   self.buffer_bytes, tiers=self.tiers, rank=rank, device=device,
                                   device_budget_bytes=device_budget_bytes)
         is_cuda = device.type == "cuda"
-        # torch's fused CPU AdamW is several times faster; its rounding differs from the
-        # reference implementation in the last bit, and on a CPU run the reference is what
-        # megatron-core's own optimizer uses, so CPU runs stay bit-identical to it.
+        # GPU machines: the one-pass host AdamW (runtime/host_kernels.py), several times
+        # faster than torch's reference and the same bits however the states are cut. A CPU
+        # run takes the reference: megatron-core's own optimizer there, bit for bit.
         self.adam = SubgroupAdam(self.subgroups, self.layout, fused=is_cuda)
         param_dtype = model_dtype if self.layout.remainders else None
         self.write_back = (StagedWriteBack(self.params, self.subgroups, self.layout,

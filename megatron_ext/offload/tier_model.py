@@ -86,7 +86,7 @@ class Updater(enum.Enum):
     DEVICE = "device"
     """Its states are on the device: the fused device Adam, in place."""
     CPU = "cpu"
-    """CPU Adam on the host buffer (torch's fused CPU AdamW on GPU machines)."""
+    """CPU Adam on the host buffer (the one-pass host AdamW on GPU machines)."""
     STREAM = "stream"
     """States H2D, the fused device Adam, states D2H (copies on their own streams)."""
 

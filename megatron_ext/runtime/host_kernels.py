@@ -1,5 +1,11 @@
 """One-pass host-memory kernels (megatron_ext/csrc/host_kernels.c), built on first use.
 
+:func:`adamw`: the host AdamW of the offload engine and of ZenFlow's CPU side on GPU
+machines. It reads and writes each element once, and every element takes the same
+operations wherever it sits in a call: the same states cut into other pieces (subgroups, a
+re-selection's new layout, another thread count) keep the same bits, which torch's fused
+CPU AdamW does not give (its vector loop and scalar tail round differently).
+
 ZenFlow's CPU side adds every step's delayed gradients (about 90% of the model) into an
 fp32 accumulator in host memory. In torch that is three passes (convert into a temporary,
 multiply in place, add) and the accumulation became the slowest part of a ZenFlow step on
@@ -34,8 +40,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_kernels.c"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-         "-pthread"]
+# -fno-math-errno lets the square root vectorize (an IEEE sqrt either way).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
+         "-fPIC", "-shared", "-pthread"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
@@ -90,6 +97,10 @@ def _build() -> Optional[ctypes.CDLL]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn = lib.mext_adamw
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_float] * 7 + [
+        ctypes.c_int]
     return lib
 
 
@@ -158,3 +169,29 @@ def accumulate_steps(lib: ctypes.CDLL, acc: torch.Tensor, grads: Sequence[torch.
         acc.data_ptr(), pointers, _DTYPES[grads[0].dtype], count, acc.numel(), has_inv, inv,
         has_clip, clip, int(first), int(divisor is not None),
         float(divisor if divisor is not None else 1.0), max(1, int(threads)))
+
+
+def adamw_supports(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`adamw` can take these (master, grad, exp_avg, exp_avg_sq)."""
+    n = tensors[0].numel()
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               and t.numel() == n for t in tensors)
+
+
+def adamw(lib: ctypes.CDLL, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+          exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+          eps: float, weight_decay: float, threads: int) -> None:
+    """One AdamW step in place (the ``step``-th), torch's AdamW to rounding, in one pass.
+
+    The scalars are torch's (``_single_tensor_adam``): bias corrections, step size and
+    the square root of the second correction in double, rounded to fp32 for the kernel.
+    """
+    if not adamw_supports(master, grad, exp_avg, exp_avg_sq):
+        raise ValueError("adamw: needs contiguous fp32 CPU tensors of one size")
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    lib.mext_adamw(master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                   exp_avg_sq.data_ptr(), master.numel(), 1 - lr * weight_decay,
+                   1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5, eps, -step_size,
+                   max(1, int(threads)))

@@ -119,8 +119,9 @@ class CpuStates(abc.ABC):
 class HostCpuStates(CpuStates):
     """The states in host memory.
 
-    Adam is torch's fused CPU kernel with ``fused`` (GPU machines), else the reference
-    implementation (bit for bit megatron-core's on a CPU).
+    Adam is the one-pass host AdamW with ``fused`` (GPU machines: the same bits as the
+    tiers' engines, however the states are cut), else the reference implementation (bit
+    for bit megatron-core's on a CPU).
     """
 
     def __init__(self, fused: bool = False):
@@ -478,7 +479,7 @@ def offload_engines(offload_config, run_id: str, tiers, *, rank: int,
     """``make_engine(params, generation)`` for :class:`TieredCpuStates` on a run's tiers.
 
     ``offload_config``, ``run_id`` and ``tiers`` as ``offload.optimizer.offload_setup``
-    gives them; ``fused_adam``: torch's fused CPU Adam (on GPU machines; a CPU-only run
+    gives them; ``fused_adam``: the one-pass host AdamW (on GPU machines; a CPU-only run
     takes the reference implementation).
     """
     def make_engine(params, generation=0):

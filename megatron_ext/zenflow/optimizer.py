@@ -33,7 +33,8 @@ class ZenFlowOptimizer(ShardedStateOptimizer):
 
         self.rank = rank
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        # On GPU machines the CPU side takes torch's fused CPU Adam; on a CPU-only run, the
+        # On GPU machines the CPU side takes the one-pass host AdamW (the same bits in host
+        # memory and in the tiers, before and after a re-selection); on a CPU-only run, the
         # reference implementation (megatron-core's there, bit for bit).
         fused = self.device.type == "cuda"
         if offload is not None:

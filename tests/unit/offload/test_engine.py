@@ -132,6 +132,52 @@ def test_engine_equals_torch_adamw(tmp_path, n_tiers, combo, dtype):
         assert not list((tmp_path / f"tier{i}").rglob("sg*")), "tier files left after close"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_machines_host_adam_gives_every_subgroup_size_the_same_bits(tmp_path, dtype):
+    """GPU machines' host Adam (``fused_adam``: the one-pass host kernel) keeps its bits
+    whatever the subgroups: the same run with other subgroup sizes (or a ZenFlow
+    re-selection's new layout) must not change a weight or a state. torch's fused CPU
+    AdamW, used there before, rounded an element by where it sat in its subgroup."""
+    results = []
+    for size in (97, 700, 10_000):
+        shard = Shard(dtype)
+        cfg = OffloadConfig(offload_optimizer=True, offload_subgroup_size=size)
+        engine = OffloadEngine(cfg, shard.params(), rank=0, device=torch.device("cpu"),
+                               tiers=[], run_id=f"test{size}", model_dtype=dtype,
+                               grad_dtype=dtype)
+        engine.fused_adam = True
+        try:
+            for step in range(4):
+                shard.new_grads()
+                engine.step(HPARAMS, None, 0.5 if step == 2 else None)
+            engine.wait_io()
+            states = [torch.cat(engine.full_states(i)) for i in range(len(engine.subgroups))]
+            results.append(([w.clone() for w in shard.weights], engine.subgroups, states))
+        finally:
+            engine.close()
+
+    def by_param(subgroups, states):
+        """Each parameter's (master, exp_avg, exp_avg_sq) assembled from the subgroups."""
+        out = [[torch.empty(n) for _ in range(3)] for n in SIZES]
+        for sg, state in zip(subgroups, states):
+            for piece in sg.pieces:
+                for k in range(3):
+                    lo = k * sg.numel + piece.offset
+                    out[piece.param][k][piece.start:piece.start + piece.length] = \
+                        state[lo:lo + piece.length]
+        return out
+
+    weights0, subgroups0, states0 = results[0]
+    expected = by_param(subgroups0, states0)
+    for weights, subgroups, states in results[1:]:
+        for a, b in zip(weights0, weights):
+            assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        for want, got in zip(expected, by_param(subgroups, states)):
+            for x, y in zip(want, got):
+                assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
 def test_alternating_order_reuses_the_cache(tmp_path):
     rates = {}
     for alternate in (True, False):

@@ -136,3 +136,119 @@ def test_build_is_cached_and_written_whole(tmp_path):
     assert again.stdout.strip() == "LOADED"
     assert sorted(os.listdir(tmp_path / "cache" / "kernels")) == built
     assert os.stat(tmp_path / "cache" / "kernels" / built[0]).st_mtime_ns == mtime
+
+
+# ------------------------------------------------------------------ AdamW
+
+ADAM_SETTINGS = [  # (lr, beta1, beta2, eps, weight_decay): both lerp branches, with/without wd
+    (1e-2, 0.9, 0.999, 1e-8, 0.01), (3e-4, 0.9, 0.95, 1e-8, 0.1),
+    (1e-3, 0.3, 0.99, 1e-6, 0.0), (1e-3, 0.0, 0.5, 1e-6, 0.0), (1e-3, 0.6, 0.99, 1e-6, 0.1)]
+
+
+def adamw_formula(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    """torch's reference AdamW op by op (``_single_tensor_adam``) with an IEEE square root.
+
+    torch's CPU ``sqrt`` is not always correctly rounded; the kernel's is. Everything else
+    is torch's own ops in torch's order: this is the kernel's documented arithmetic.
+    """
+    if weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    denom = (torch.sqrt(v.double()).float() / bias_correction2 ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bias_correction1))
+
+
+def random_states(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), gen
+
+
+def grads_of(n, gen):
+    """Gradients over many magnitudes (10^-6 .. 10^1)."""
+    return torch.randn(n, generator=gen) * 10.0 ** torch.randint(-6, 2, (n,), generator=gen)
+
+
+@needs_lib
+@pytest.mark.parametrize("settings", ADAM_SETTINGS)
+@pytest.mark.parametrize("n,threads", [(1, 1), (97, 2), (300_017, 1), (300_017, 3)])
+def test_adamw_is_its_formula_bitwise(settings, n, threads):
+    lr, beta1, beta2, eps, wd = settings
+    p, m, v, gen = random_states(n, 11)
+    kp, km, kv = p.clone(), m.clone(), v.clone()
+    for step in range(1, 5):
+        g = grads_of(n, gen)
+        adamw_formula(p, g, m, v, step, lr, beta1, beta2, eps, wd)
+        host_kernels.adamw(LIB, kp, g, km, kv, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                           eps=eps, weight_decay=wd, threads=threads)
+        for ours, formula in ((kp, p), (km, m), (kv, v)):
+            assert torch.equal(ours.view(torch.int32), formula.view(torch.int32)), step
+
+
+@needs_lib
+def test_adamw_is_torch_adamw_to_rounding():
+    from megatron_ext.optim.adamw import adam_update
+
+    hp = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    p, m, v, gen = random_states(200_003, 5)
+    kp, km, kv = p.clone(), m.clone(), v.clone()
+    for step in range(1, 6):
+        g = grads_of(p.numel(), gen)
+        adam_update(p, g, m, v, step, hp, fused=False)  # torch's reference
+        host_kernels.adamw(LIB, kp, g, km, kv, step=step, lr=1e-3, beta1=0.9, beta2=0.95,
+                           eps=1e-8, weight_decay=0.1, threads=2)
+    torch.testing.assert_close(kp, p, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(kv, v, rtol=1e-5, atol=0)
+
+
+def _cut_steps(update, n, cuts, steps=4, seed=3):
+    """States after ``steps`` AdamW steps, each step one ``update`` call per piece."""
+    p, m, v, gen = random_states(n, seed)
+    hp = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    bounds = [0, *cuts, n]
+    for step in range(1, steps + 1):
+        g = grads_of(n, gen)
+        for lo, hi in zip(bounds, bounds[1:]):
+            parts = [t[lo:hi].clone() for t in (p, g, m, v)]
+            update(parts[0], parts[1], parts[2], parts[3], step, hp)
+            for t, part in zip((p, m, v), (parts[0], parts[2], parts[3])):
+                t[lo:hi] = part
+    return p, m, v
+
+
+@needs_lib
+@pytest.mark.parametrize("cuts", [[97 * k for k in range(1, 300)], [1, 5, 33, 16_001]])
+def test_host_adam_bits_do_not_depend_on_the_pieces(cuts):
+    """The GPU machines' host Adam: the same states cut into other pieces (offload
+    subgroups, a ZenFlow re-selection's new layout) keep every bit."""
+    from megatron_ext.optim.adamw import adam_update
+
+    def fast(p, g, m, v, step, hp):
+        adam_update(p, g, m, v, step, hp, fused=True)
+
+    whole = _cut_steps(fast, 40_000, [])
+    cut = _cut_steps(fast, 40_000, cuts)
+    for a, b in zip(whole, cut):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_torch_fused_cpu_adam_bits_depend_on_the_pieces():
+    """Why the host kernel exists: torch's fused CPU AdamW, which GPU machines used for the
+    host side before, gives other bits to the same states cut into other pieces (its
+    vector loop and scalar tail round differently), so a re-selection or another subgroup
+    size changed the states. If this ever stops holding, torch's kernel could serve."""
+    from torch.optim.adam import adam
+
+    def torch_fused(p, g, m, v, step, hp):
+        adam([p], [g], [m], [v], [], [torch.tensor(float(step - 1))], foreach=False,
+             fused=True, capturable=False, differentiable=False, has_complex=False,
+             amsgrad=False, beta1=hp["betas"][0], beta2=hp["betas"][1], lr=hp["lr"],
+             weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
+             decoupled_weight_decay=True)
+
+    cuts = [97 * k for k in range(1, 300)]
+    whole = _cut_steps(torch_fused, 40_000, [])
+    cut = _cut_steps(torch_fused, 40_000, cuts)
+    assert any(not torch.equal(a, b) for a, b in zip(whole, cut))

@@ -33,6 +33,8 @@ def make_offload_engine(tmp_path):
                                tiers=tiers, run_id=f"test.selection{generation}",
                                model_dtype=torch.bfloat16, grad_dtype=torch.float32,
                                params_are_model=False)
+        # GPU machines' host Adam (the one-pass kernel) when the test asks for it.
+        engine.fused_adam = make_cfg.get("fused", False)
         made.append(engine)
         return engine
     make.made = made

@@ -93,11 +93,18 @@ def _remainders(make_offload_engine, on: bool) -> None:
     settings["cfg"] = dataclasses.replace(settings["cfg"], store_param_remainders=on)
 
 
+# The host Adam of CPU-only runs (torch's reference) and of GPU machines (the one-pass host
+# kernel, ``fused``): each must give the same bits however the states are cut.
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["reference", "gpu-machine"])
+
+
+@FUSED
 @pytest.mark.parametrize("remainders", [True, False], ids=["remainders", "whole-masters"])
 def test_host_and_tiers_hold_the_same_states_after_the_same_updates(make_offload_engine,
-                                                                    remainders):
+                                                                    remainders, fused):
     _remainders(make_offload_engine, remainders)
-    host, tiers = HostCpuStates(fused=False), TieredCpuStates(make_offload_engine)
+    make_offload_engine.settings["fused"] = fused
+    host, tiers = HostCpuStates(fused=fused), TieredCpuStates(make_offload_engine)
     try:
         up_host, up_tiers = trained(host, SIZES, 4), trained(tiers, SIZES, 4)
         assert tiers.engine.layout.remainders is remainders
@@ -199,9 +206,11 @@ def test_replace_into_the_replaced_engines_weight_memory_keeps_every_value(
         states.close()
 
 
-def test_host_and_tiers_agree_after_a_replace(make_offload_engine):
+@FUSED
+def test_host_and_tiers_agree_after_a_replace(make_offload_engine, fused):
+    make_offload_engine.settings["fused"] = fused
     results = []
-    for states in (HostCpuStates(), TieredCpuStates(make_offload_engine)):
+    for states in (HostCpuStates(fused=fused), TieredCpuStates(make_offload_engine)):
         try:
             trained(states, SIZES, 2)
             written = {g: torch.zeros(n, dtype=torch.int64) for g, n in NEW_SIZES.items()}
