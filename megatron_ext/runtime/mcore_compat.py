@@ -28,7 +28,9 @@ Calculator`` class) is gone; 0.19        it means the same on both
 ignores ``rampup_batch_size``
 NullTokenizer's ``--vocab-size`` (from    :func:`null_vocab_includes_eod`: this
 0.18): V ids with EOD V-1 (0.16.1/0.17:  project's NullTokenizer means what the
-V ids plus EOD V, V+1 in all)            installed version's Megatron-LM means
+V ids plus EOD V, V+1 in all)            installed version's Megatron-LM means;
+                                         :func:`null_vocab_size_flag`: the flag of one
+                                         model on every version (tests, bench rows)
 new deprecation notices (GPTModel,       :func:`quiet`: dropped by message, the other
 ``load_common``, mcore async save,       lines of those loggers kept
 MimoModelConfig, torch DCP's no-dist
@@ -118,6 +120,16 @@ def null_vocab_includes_eod(version: Optional[str] = None) -> bool:
     """
     version = installed_version() if version is None else version
     return version is not None and _parse(version) >= (0, 18, 0)
+
+
+def null_vocab_size_flag(ids: int, version: Optional[str] = None) -> str:
+    """NullTokenizer's ``--vocab-size`` for ``ids`` token ids plus the end-of-document id.
+
+    The same model on every version: ``ids`` on 0.16.1/0.17 (the EOD comes on top), one
+    more from 0.18 (the EOD counts inside). A fixed ``--vocab-size`` builds a model one id
+    smaller from 0.18: another model, with another training trajectory.
+    """
+    return str(ids + 1 if null_vocab_includes_eod(version) else ids)
 
 
 # ------------------------------------------------------------------ DDP
