@@ -437,10 +437,13 @@ class SubgroupStore:
     # ----------------------------------------------------------------- filling and moving
 
     def fill(self, sources: Callable[[int, torch.Tensor], None], order: Sequence[int],
-             before: Optional[Callable[[int], None]] = None) -> None:
+             before: Optional[Callable[[int], None]] = None, device_direct: bool = False
+             ) -> None:
         """Fills every subgroup's state in ``order``, writing out what the cache cannot keep.
 
-        ``sources(index, buffer)`` writes subgroup ``index``'s state into a host buffer;
+        ``sources(index, buffer)`` writes subgroup ``index``'s state into a host buffer, or
+        with ``device_direct`` a device-tier subgroup's into its device state itself (a
+        source of torch ops on device data: the model's weights; no PCIe round trip);
         ``before(index)``, if given, is called first (a source frees what it no longer
         needs before the buffer is taken).
         """
@@ -448,6 +451,9 @@ class SubgroupStore:
         for index in order:
             if before is not None:
                 before(index)
+            if self.plan.on_device(index) and device_direct:
+                sources(index, self.device_state(index))
+                continue
             if self.plan.on_device(index):
                 # Through one host buffer: the sources write host memory.
                 if staging is None:

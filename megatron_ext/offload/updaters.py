@@ -242,6 +242,15 @@ class DeviceUpdater:
                                       device=self.device)
             self.adam.master_scratch(self.device)
 
+    def master_scratches(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """With remainders: the device's fp32 master and model-dtype weight scratches.
+
+        The state build of the device tier uses them (it runs before the first update, on
+        the same stream): no other device memory for it.
+        """
+        self._scratch()
+        return self.adam.master_scratch(self.device), self._param
+
     def scale(self, inv_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``inv_scale`` on the device (a non-blocking copy on CUDA)."""
         if self.is_cuda and torch.is_tensor(inv_scale):
