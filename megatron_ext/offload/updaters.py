@@ -45,6 +45,7 @@ from megatron_ext.offload.staging import (
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.store import StepStats, SubgroupStore
 from megatron_ext.offload.subgroups import Subgroup
+from megatron_ext.optim import device_adam
 from megatron_ext.optim.adamw import adam_update, unscale_and_clip
 
 if TYPE_CHECKING:
@@ -227,6 +228,12 @@ class DeviceUpdater:
         self.is_cuda = device.type == "cuda"
         self.param_dtype = param_dtype
         """With remainders, the model's dtype; None without."""
+        layout = adam.layout
+        self.one_pass = (layout.remainders and param_dtype == torch.bfloat16
+                         and layout.exp_avg == torch.float32
+                         and layout.exp_avg_sq == torch.float32 and device_adam.enabled(device))
+        """The one-pass kernel (:mod:`megatron_ext.optim.device_adam`) instead of torch's
+        passes: remainders of bf16 weights, fp32 moments, asked for and available."""
         # Allocated now (``allocate``) so that ``auto`` sizing measures it in the first peak.
         self._grad: Optional[torch.Tensor] = None
         self._param: Optional[torch.Tensor] = None
@@ -267,12 +274,28 @@ class DeviceUpdater:
 
     def apply(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
         """The step of the state buffer ``state`` on the device; the weights to the model."""
+        if self.one_pass:
+            self._apply_one_pass(index, state, args)
+            return
         grads = self._grads(index, args.device_inv_scale, args.clip_coeff)
         sg = self.subgroups[index]
         params = (gather_params(self.params, sg, self._param[:sg.numel])
                   if self.param_dtype is not None else None)
         master = self.adam(index, state, grads, args.step, args.hparams, params)
         scatter(self.params, sg, master)
+
+    def _apply_one_pass(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
+        """The step in one pass per piece, straight from and into the model's buffers."""
+        sg = self.subgroups[index]
+        rem, exp_avg, exp_avg_sq = self.adam.layout.views(state, sg.numel)
+        for piece in sg.pieces:
+            param = self.params[piece.param]
+            at = slice(piece.offset, piece.offset + piece.length)
+            src = slice(piece.start, piece.start + piece.length)
+            device_adam.adamw_remainders(
+                param.out[src], param.grad().reshape(-1)[src], rem[at], exp_avg[at],
+                exp_avg_sq[at], step=args.step, hp=args.hparams[param.group],
+                inv_scale=args.device_inv_scale, clip_coeff=args.clip_coeff)
 
     def update(self, index: int, state: torch.Tensor, args: StepArgs) -> None:
         """A device-tier subgroup's step (timed for the metrics)."""
