@@ -164,6 +164,40 @@ class MemoryNeeds:
     host_reserve: bool = False
 
 
+def torch_adam_is_megatrons() -> bool:
+    """Whether megatron-core's Adam is torch's AdamW here (no Transformer Engine or apex).
+
+    megatron-core takes TE's FusedAdam, else apex's, else torch's AdamW: the plan asks the
+    installation without importing any of them.
+    """
+    import importlib.util
+
+    return not any(importlib.util.find_spec(name) for name in ("transformer_engine", "apex"))
+
+
+def megatron_step_bytes(cfg, shape) -> Dict[str, int]:
+    """GPU bytes megatron-core's optimizer step holds beside its states (by item).
+
+    * fp32 gradient copies: with bf16/fp16 gradients (``--grad-reduce-in-bf16``, fp16),
+      ``_copy_model_grads_to_main_grads`` makes each shard gradient's fp32 copy and keeps
+      them all until the step ends (fp32 gradients are used as they are).
+    * the step's temporaries: torch's AdamW on CUDA (foreach) takes the square root of
+      every second moment of a param group into new tensors at once, 4 bytes per element
+      (TE's and apex's fused kernels take none). Measured: Megatron-LM's Llama-3-8B flag set
+      on one H200 (8.0B elements) ran out of memory in its first step where a plan
+      without it said 142 of 150 GB.
+    """
+    from megatron_ext.memory.shape import grads_in_fp32
+
+    n = shape.shard_elements
+    items = {}
+    if shape.param_bytes < 4 and not grads_in_fp32(cfg):
+        items["fp32 gradient copies"] = 4 * n
+    if cfg.optimizer.optimizer == "adam" and torch_adam_is_megatrons():
+        items["optimizer step temporaries"] = 4 * n
+    return items
+
+
 def megatron_state_bytes(cfg, shape) -> Tuple[int, int]:
     """(masters, moments) bytes per element of megatron-core's optimizer shard.
 
@@ -250,8 +284,10 @@ class Mode:
         masters, moments = megatron_state_bytes(cfg, shape)
         fix = ("add --offload-optimizer" if cfg.parallel.use_distributed_optimizer
                else "add --use-distributed-optimizer --offload-optimizer")
-        return MemoryNeeds(gpu={"optimizer states": shape.shard_elements * (masters + moments)},
-                           gpu_fix=fix)
+        n = shape.shard_elements
+        gpu = {"optimizer states": n * (masters + moments)}
+        gpu.update(megatron_step_bytes(cfg, shape))
+        return MemoryNeeds(gpu=gpu, gpu_fix=fix)
 
 
 _CPU_OFFLOAD = "optimizer.optimizer_cpu_offload"

@@ -262,13 +262,48 @@ def _shape(cfg):
     (["--bf16"], 4, 8),            # fp32 masters beside bf16 weights
     (["--optimizer", "sgd"], 0, 4),
 ])
-def test_plain_mode_keeps_megatron_cores_states_on_the_gpu(flags, masters, moments):
+def test_plain_mode_keeps_megatron_cores_states_on_the_gpu(flags, masters, moments,
+                                                           monkeypatch):
+    monkeypatch.setattr(modes, "torch_adam_is_megatrons", lambda: False)  # TE's FusedAdam
     cfg = config(*DIST, *flags)
     shape = _shape(cfg)
     needs = modes.mode_of(cfg).memory_needs(cfg, shape)
     assert needs.gpu == {"optimizer states": shape.shard_elements * (masters + moments)}
     assert needs.host == {} and needs.tiered is None
     assert needs.gpu_fix == "add --offload-optimizer"
+
+
+@pytest.mark.parametrize("torch_adam", [True, False], ids=["torch-adamw", "fused-adam"])
+def test_torch_adamws_step_temporaries_are_counted(torch_adam, monkeypatch):
+    """torch's foreach AdamW takes sqrt(exp_avg_sq) of a whole param group into new tensors:
+    4 bytes per element at the step (what Megatron-LM's Llama-3-8B plain run on one H200 met
+    beyond a plan without it). TE's and apex's FusedAdam take none."""
+    monkeypatch.setattr(modes, "torch_adam_is_megatrons", lambda: torch_adam)
+    cfg = config(*DIST, "--bf16")
+    shape = _shape(cfg)
+    gpu = modes.mode_of(cfg).memory_needs(cfg, shape).gpu
+    assert gpu.get("optimizer step temporaries") == (4 * shape.shard_elements if torch_adam
+                                                    else None)
+    sgd = config(*DIST, "--bf16", "--optimizer", "sgd")
+    assert "optimizer step temporaries" not in modes.mode_of(sgd).memory_needs(
+        sgd, _shape(sgd)).gpu
+
+
+@pytest.mark.parametrize("flags, copies", [
+    (["--bf16"], False),                          # fp32 gradients: the main grads are views
+    (["--bf16", "--grad-reduce-in-bf16"], True),  # bf16 gradients: .float() copies
+    ([], False),                                  # fp32 training
+])
+def test_fp32_gradient_copies_are_counted(flags, copies):
+    cfg = config(*DIST, *flags)
+    shape = _shape(cfg)
+    gpu = modes.mode_of(cfg).memory_needs(cfg, shape).gpu
+    assert gpu.get("fp32 gradient copies") == (4 * shape.shard_elements if copies else None)
+
+
+def test_this_machines_megatron_adam_is_torchs():
+    """No Transformer Engine or apex here (requirements.txt installs neither)."""
+    assert modes.torch_adam_is_megatrons()
 
 
 def test_plain_mode_with_megatron_cores_host_offload():
