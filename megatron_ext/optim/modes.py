@@ -175,27 +175,36 @@ def torch_adam_is_megatrons() -> bool:
     return not any(importlib.util.find_spec(name) for name in ("transformer_engine", "apex"))
 
 
+STEP_ITEM = "optimizer step beyond the activations"
+
+
 def megatron_step_bytes(cfg, shape) -> Dict[str, int]:
-    """GPU bytes megatron-core's optimizer step holds beside its states (by item).
+    """GPU bytes megatron-core's optimizer step needs beyond the memory activations free.
 
     * fp32 gradient copies: with bf16/fp16 gradients (``--grad-reduce-in-bf16``, fp16),
       ``_copy_model_grads_to_main_grads`` makes each shard gradient's fp32 copy and keeps
-      them all until the step ends (fp32 gradients are used as they are).
+      them all until the step ends (fp32 gradients are used as they are), 4 bytes per
+      element;
     * the step's temporaries: torch's AdamW on CUDA (foreach) takes the square root of
       every second moment of a param group into new tensors at once, 4 bytes per element
-      (TE's and apex's fused kernels take none). Measured: Megatron-LM's Llama-3-8B flag set
-      on one H200 (8.0B elements) ran out of memory in its first step where a plan
-      without it said 142 of 150 GB.
+      (TE's and apex's fused kernels take none).
+
+    Both live during the step only (the next iteration's ``zero_grad`` drops the copies
+    before its forward), when the activations are gone: the peak is the larger of the two
+    phases, so what counts is their excess over the activation estimate. Megatron-LM's
+    Llama-3-8B flag set on one H200 (8.0B elements) ran out of memory in its first step
+    where a plan without them said 142 of 150 GB.
     """
     from megatron_ext.memory.shape import grads_in_fp32
 
     n = shape.shard_elements
-    items = {}
+    step = 0
     if shape.param_bytes < 4 and not grads_in_fp32(cfg):
-        items["fp32 gradient copies"] = 4 * n
+        step += 4 * n
     if cfg.optimizer.optimizer == "adam" and torch_adam_is_megatrons():
-        items["optimizer step temporaries"] = 4 * n
-    return items
+        step += 4 * n
+    excess = step - shape.activation_bytes
+    return {STEP_ITEM: excess} if excess > 0 else {}
 
 
 def megatron_state_bytes(cfg, shape) -> Tuple[int, int]:

@@ -46,9 +46,9 @@ def test_plain_run_too_big_for_the_gpu_names_offload_optimizer():
     p = plan(BIG)
     assert len(p.refusals) == 1
     line = one_line(p.refusals[0])
-    assert line.startswith("the run needs 399 GB on the GPU (weights 33.0, gradients 33.0, "
-                           "activations 2.07, optimizer states 198, fp32 gradient copies 66.1, "
-                           "optimizer step temporaries 66.1), 150 GB free")
+    assert line.startswith("the run needs 396 GB on the GPU (weights 33.0, gradients 33.0, "
+                           "activations 2.07, optimizer states 198, optimizer step beyond the "
+                           "activations 130), 150 GB free")
     assert line.endswith(": add --offload-optimizer")
 
 
@@ -158,7 +158,7 @@ def test_start_up_refuses_in_one_line(monkeypatch):
     cfg.check_world(1)
     with pytest.raises(UsageError) as err:
         plan_before_start(cfg, _runtime(), 32001)
-    assert one_line(str(err.value)).startswith("memory plan: the run needs 399 GB on the GPU")
+    assert one_line(str(err.value)).startswith("memory plan: the run needs 396 GB on the GPU")
 
 
 def test_no_plan_check_logs_the_refusal_and_goes_on(monkeypatch, caplog):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -274,31 +275,35 @@ def test_plain_mode_keeps_megatron_cores_states_on_the_gpu(flags, masters, momen
 
 
 @pytest.mark.parametrize("torch_adam", [True, False], ids=["torch-adamw", "fused-adam"])
-def test_torch_adamws_step_temporaries_are_counted(torch_adam, monkeypatch):
-    """torch's foreach AdamW takes sqrt(exp_avg_sq) of a whole param group into new tensors:
-    4 bytes per element at the step (what Megatron-LM's Llama-3-8B plain run on one H200 met
-    beyond a plan without it). TE's and apex's FusedAdam take none."""
-    monkeypatch.setattr(modes, "torch_adam_is_megatrons", lambda: torch_adam)
-    cfg = config(*DIST, "--bf16")
-    shape = _shape(cfg)
-    gpu = modes.mode_of(cfg).memory_needs(cfg, shape).gpu
-    assert gpu.get("optimizer step temporaries") == (4 * shape.shard_elements if torch_adam
-                                                    else None)
-    sgd = config(*DIST, "--bf16", "--optimizer", "sgd")
-    assert "optimizer step temporaries" not in modes.mode_of(sgd).memory_needs(
-        sgd, _shape(sgd)).gpu
-
-
 @pytest.mark.parametrize("flags, copies", [
     (["--bf16"], False),                          # fp32 gradients: the main grads are views
     (["--bf16", "--grad-reduce-in-bf16"], True),  # bf16 gradients: .float() copies
     ([], False),                                  # fp32 training
 ])
-def test_fp32_gradient_copies_are_counted(flags, copies):
+def test_the_optimizer_steps_transients_are_counted(torch_adam, flags, copies, monkeypatch):
+    """torch's foreach AdamW takes sqrt(exp_avg_sq) of a whole param group into new tensors
+    (4 B per element; what Megatron-LM's Llama-3-8B plain run on one H200 met beyond a plan
+    without it; TE's and apex's FusedAdam take none), and bf16 gradients get fp32 copies
+    (4 B per element). Both during the step only: beyond the activations' memory."""
+    monkeypatch.setattr(modes, "torch_adam_is_megatrons", lambda: torch_adam)
     cfg = config(*DIST, *flags)
     shape = _shape(cfg)
+    step = 4 * shape.shard_elements * (int(torch_adam) + int(copies))
     gpu = modes.mode_of(cfg).memory_needs(cfg, shape).gpu
-    assert gpu.get("fp32 gradient copies") == (4 * shape.shard_elements if copies else None)
+    excess = step - shape.activation_bytes
+    assert gpu.get(modes.STEP_ITEM) == (excess if excess > 0 else None)
+    if torch_adam and copies:  # the tiny shape: both transients together pass its activations
+        assert excess > 0
+
+
+def test_the_step_needs_nothing_beyond_activations_larger_than_it(monkeypatch):
+    monkeypatch.setattr(modes, "torch_adam_is_megatrons", lambda: True)
+    cfg = config(*DIST, "--bf16")
+    shape = _shape(cfg)
+    shape = dataclasses.replace(shape, activation_bytes=8 * shape.shard_elements)
+    assert modes.STEP_ITEM not in modes.mode_of(cfg).memory_needs(cfg, shape).gpu
+    sgd = config(*DIST, "--bf16", "--optimizer", "sgd")
+    assert modes.STEP_ITEM not in modes.mode_of(sgd).memory_needs(sgd, _shape(sgd)).gpu
 
 
 def test_this_machines_megatron_adam_is_torchs():
