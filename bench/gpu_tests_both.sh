@@ -7,7 +7,8 @@
 # Knobs: VERSIONS (default "0.19.2 0.16.1": 0.19.2 is what a Python 3.12 user installs, so
 # it goes first), TESTS (default tests/gpu), WORKERS (pytest-xdist processes, default 8: the
 # tiny models need little of the GPU, the machine has 16 cores), LIMIT (seconds per
-# version, default 270: both fit one 10-minute call with the installs).
+# version, default 270: both fit one 10-minute call with the installs), TEST_TIMEOUT (seconds
+# one test may take when the pytest-timeout wheel is carried, default 200).
 # Writes under $OUT: tests-<version>.txt (pytest's whole output), machine-<version>.txt,
 # host_memory.txt (free -m every 5 s: a run that starves the host loses every result of the
 # call) and summary.txt (the command, date, machine, commit and each version's pytest
@@ -19,6 +20,7 @@ VERSIONS="${VERSIONS:-0.19.2 0.16.1}"
 TESTS="${TESTS:-tests/gpu}"
 WORKERS="${WORKERS:-8}"
 LIMIT="${LIMIT:-270}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-200}"
 COMMIT="${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 ( while true; do date -u +%H:%M:%S; free -m | sed -n 2p; sleep 5; done ) \
     > "$OUT/host_memory.txt" 2>&1 &
@@ -37,8 +39,13 @@ for version in $VERSIONS; do
   MCORE="$version" . "$(dirname "$0")/gpu_setup.sh" > /dev/null || { status=1; continue; }
   cp "$OUT/machine.txt" "$OUT/machine-$version.txt"
   start=$SECONDS
-  timeout "$LIMIT" python3 -m pytest -q -n "$WORKERS" $TESTS -p no:cacheprovider -rfEs \
-      > "$OUT/tests-$version.txt" 2>&1
+  # SIGINT at the limit: pytest still prints its summary (the tests that failed so far);
+  # -v names each test as it ends; with pytest-timeout carried, one test that hangs is
+  # reported with its stack after TEST_TIMEOUT s instead of eating the version's limit.
+  per_test=""
+  python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=$TEST_TIMEOUT"
+  timeout -s INT -k 30 "$LIMIT" python3 -m pytest -v -n "$WORKERS" $TESTS -p no:cacheprovider \
+      -rfEs --durations=25 $per_test > "$OUT/tests-$version.txt" 2>&1
   rc=$?
   line="$(grep -E '[0-9]+ (passed|failed|skipped|errors?).* in [0-9.]+s' \
           "$OUT/tests-$version.txt" | tail -1)"
