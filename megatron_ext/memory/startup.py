@@ -47,6 +47,9 @@ def plan_before_start(cfg, runtime, vocab_size: int) -> MemoryPlan:
     Raises:
         UsageError: the plan's first refusal, unless ``--no-plan-check``.
     """
+    # The paths' speeds first (probed where not given): the plan places with them, and the
+    # engine, reading them back from cfg, places the same way without probing again.
+    mode_of(cfg).measure_tiers(cfg, runtime)
     plan, note = settle_plan(cfg, vocab_size, runtime.world_size, measure(cfg, runtime))
     if note:
         log.info("%s", note)

@@ -95,6 +95,12 @@ class OffloadMode(Mode):
                 f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
                 f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
 
+    def measure_tiers(self, cfg, runtime) -> None:
+        """The paths' bandwidths probed once, before the plan (``settle_path_speeds``)."""
+        from megatron_ext.offload.optimizer import settle_path_speeds
+
+        settle_path_speeds(cfg.offload, runtime.rank)
+
     def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
         """The shard's states in the tiers; the engine's staging on the GPU and the host.
 

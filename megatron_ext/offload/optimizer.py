@@ -19,7 +19,7 @@ from megatron_ext.errors import UsageError
 from megatron_ext.offload.config import OffloadConfig
 from megatron_ext.offload.engine import OffloadEngine
 from megatron_ext.offload.jobdir import FULL_ERRNOS, default_run_id
-from megatron_ext.offload.paths import TierSpec, parse_tier_spec
+from megatron_ext.offload.paths import TierSpec, format_tier_spec, parse_tier_spec
 from megatron_ext.offload.probe import PROBE_REPEATS, probe_bandwidth, probe_plan
 from megatron_ext.offload.states import StateLayout
 from megatron_ext.offload.subgroups import ShardParam
@@ -157,6 +157,23 @@ def resolve_tiers(cfg: OffloadConfig, rank: int) -> List[TierSpec]:
                              "with room")
         specs = [spec for i, spec in enumerate(specs) if probed.get(i, ()) is not None]
     return specs
+
+
+def settle_path_speeds(cfg: OffloadConfig, rank: int) -> Optional[List[str]]:
+    """Probes the ``--offload-paths`` given without bandwidths, once, before the plan.
+
+    The probed speeds are written into ``cfg.offload_paths`` (``DIR@READ,WRITE``, the
+    form :func:`resolve_tiers` reads back without probing; a path too full to probe is
+    dropped, as the engine drops it), so that the memory plan and the engine place the
+    subgroups with the same numbers: one measurement of the paths per run. Collective
+    (rank 0 probes, every rank takes its numbers). Returns the previous items, or None when
+    every path had its bandwidths already.
+    """
+    if all(parse_tier_spec(text).effective_gbps is not None for text in cfg.offload_paths):
+        return None
+    before = list(cfg.offload_paths)
+    cfg.offload_paths = [format_tier_spec(spec) for spec in resolve_tiers(cfg, rank)]
+    return before
 
 
 def offload_setup(cfg: OffloadConfig, rank: int) -> tuple:

@@ -269,6 +269,14 @@ class Mode:
         """(file, problem) of the files the mode wrote beside dist_checkpointing's."""
         return []
 
+    def measure_tiers(self, cfg, runtime) -> None:
+        """Measures what the mode's tiers need measured before the memory plan is made.
+
+        A mode with ``--offload-paths`` probes the paths given without bandwidths here and
+        writes the speeds into ``cfg``, so that the plan and the engine place by the same
+        numbers. The default: nothing to measure.
+        """
+
     def refit(self, cfg, plan) -> Optional[Tuple[str, Callable[[], None]]]:
         """Re-settles what the mode chose by itself when ``plan`` refuses the run.
 

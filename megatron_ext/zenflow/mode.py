@@ -68,6 +68,14 @@ class ZenFlowMode(Mode):
         with zenflow_optimizer(cfg.zenflow, runtime.rank, cfg.offload) as bound:
             return build_megatron_optimizer(cfg, model_chunks, bound)
 
+    def measure_tiers(self, cfg, runtime) -> None:
+        """With ``--offload-paths`` (its CPU side's states may go to the tiers, or be moved
+        there by :meth:`refit`), their bandwidths probed once, before the plan."""
+        if cfg.offload.offload_paths:
+            from megatron_ext.offload.optimizer import settle_path_speeds
+
+            settle_path_speeds(cfg.offload, runtime.rank)
+
     def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
         """The selected columns' states on the GPU; the delayed ones' on the CPU side.
 
