@@ -95,7 +95,13 @@ def test_one_pass_equals_the_torch_path_to_rounding():
         out = torch.empty(n, device="cuda")
         decode(weights.clone(), rem.clone(), sign_bits(exp_avg_sq.clone()), out)
         masters.append(out)
-    torch.testing.assert_close(masters[0], masters[1], rtol=1e-5, atol=1e-7)
+    # torch's fused CUDA AdamW rounds in its own order (bias corrections folded into the step
+    # size, contractions): the masters agree to 1e-5 of what the steps moved them (lr a
+    # step), not to the masters' own ulps. Measured on an H100 on 2026-12-06 with the
+    # tolerance atol=1e-7 (bench/results/2026-12-06-h100-gpu-tests): 745 of 1000003 masters
+    # beyond it, the largest difference 1.64e-7 after 5 steps of lr 1e-2.
+    moved = 5 * hp["lr"]
+    torch.testing.assert_close(masters[0], masters[1], rtol=1e-5, atol=1e-5 * moved)
     torch.testing.assert_close(ours[2], torch_path[2], rtol=1e-4, atol=1e-9)
 
 
