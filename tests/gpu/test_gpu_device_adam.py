@@ -102,7 +102,12 @@ def test_one_pass_equals_the_torch_path_to_rounding():
     # beyond it, the largest difference 1.64e-7 after 5 steps of lr 1e-2.
     moved = 5 * hp["lr"]
     torch.testing.assert_close(masters[0], masters[1], rtol=1e-5, atol=1e-5 * moved)
-    torch.testing.assert_close(ours[2], torch_path[2], rtol=1e-4, atol=1e-9)
+    # The first moments likewise to their own scale (torch's lerp against the explicit
+    # beta1 * m + (1 - beta1) * g: elements that cancel near zero keep an absolute error of
+    # the operands' ulps). Measured at 982e28d with atol=1e-9: 71 of 1000003 beyond it, the
+    # largest difference 4.58e-9 where the moments reach ~1e-2.
+    scale = torch_path[2].abs().max().item()
+    torch.testing.assert_close(ours[2], torch_path[2], rtol=1e-4, atol=1e-6 * scale)
 
 
 def test_a_device_tier_run_trains_as_cpu_adam_bit_for_bit(tmp_path):
