@@ -510,6 +510,10 @@ CASES = {
     "bad split": (lambda d: null_data(f"{d}/ok") + ["--split", "a,b"], "--split 'a,b'"),
     "split without training data": (lambda d: null_data(f"{d}/ok") + ["--split", "0,1,0"],
                                     "the training split is empty"),
+    "skip train with an empty validation split": (
+        lambda d: null_data(f"{d}/ok") + ["--split", "100,0,0", "--skip-train",
+                                          "--eval-iters", "1"],
+        "validation split is empty (--split 100,0,0): there is nothing to evaluate"),
     "small corpus with the default split": (
         lambda d: null_data(f"{d}/small"), "the test split of"),
     "megatron host offload on cpu": (
