@@ -105,7 +105,7 @@ class Trainer(Steps):
     def __init__(self, cfg):
         from megatron.core.distributed import finalize_model_grads
 
-        from megatron_ext.data.datasets import build_datasets
+        from megatron_ext.data.datasets import build_datasets, check_data
         from megatron_ext.data.tokenizer import build_tokenizer
         from megatron_ext.memory.report import plan_metrics
         from megatron_ext.memory.startup import plan_before_start
@@ -125,6 +125,8 @@ class Trainer(Steps):
         if cfg.training.deterministic_mode:
             _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)
+        # Before the plan and the model: the corpus readable, its ids in the vocabulary.
+        check_data(cfg.data, tokenizer.vocab_size, cfg.data.tokenizer_type)
         load_dir = load_checks.resolve_load_dir(cfg)
         # Before anything is built from it: every file verified, the model settings taken
         # (--use-checkpoint-args) or compared.
