@@ -17,13 +17,50 @@ from megatron_ext.runtime.batch_schedule import train_samples_total
 from megatron_ext.runtime.signals import SHIELDED
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
-# Scanning a corpus for its largest token id costs one read of it; past this size only
-# the first part is scanned (the dtype check still covers the rest).
-_MAX_SCAN_BYTES = 1 << 30
+# Scanning a corpus for its largest token id costs one read of it, on every rank: past this
+# size, _SCAN_WINDOWS evenly spaced windows of it are read (the first and the last bytes
+# among them), so a corpus of another tokenizer shows wherever its ids are.
+_MAX_SCAN_BYTES = 256 << 20
+_SCAN_WINDOWS = 64
 
 
-def check_data_prefix(prefix: str, vocab_size: int) -> None:
+def check_data(data, vocab_size: int, tokenizer_type: Optional[str]) -> None:
+    """Checks every --data-path prefix and the --split of them, before anything is built.
+
+    ``data``: the run's DataConfig; ``vocab_size``: the tokenizer's (unpadded) vocabulary.
+
+    Raises:
+        UsageError: see :func:`check_data_prefix` and :func:`check_split_sizes`.
+    """
+    if not data.data_path:
+        return
+    prefixes = [prefix for _, prefix in parse_data_path(data.data_path)]
+    for prefix in prefixes:
+        check_data_prefix(prefix, vocab_size, tokenizer_type)
+    check_split_sizes(data.split, [(prefix, read_index(prefix, _index_dtype(prefix))[0])
+                                   for prefix in prefixes])
+
+
+def largest_token_id(path: str, dtype: np.dtype) -> int:
+    """The largest token id of the .bin ``path``, read within a bound.
+
+    All of it up to :data:`_MAX_SCAN_BYTES`; a larger file by :data:`_SCAN_WINDOWS` evenly
+    spaced windows of that many bytes in all, the first and the last among them.
+    """
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    budget = _MAX_SCAN_BYTES // dtype.itemsize
+    if tokens.shape[0] <= budget:
+        return int(tokens.max())
+    window = budget // _SCAN_WINDOWS
+    starts = np.linspace(0, tokens.shape[0] - window, _SCAN_WINDOWS).astype(np.int64)
+    return max(int(tokens[start:start + window].max()) for start in starts)
+
+
+def check_data_prefix(prefix: str, vocab_size: int,
+                      tokenizer_type: Optional[str] = None) -> None:
     """Checks that PREFIX.bin/.idx exist, are readable, and fit the tokenizer's vocab.
+
+    ``tokenizer_type``: named in the refusal of ids beyond ``vocab_size``.
 
     Raises:
         UsageError: a file is missing or unreadable, the index is not megatron-core's
@@ -61,14 +98,15 @@ def check_data_prefix(prefix: str, vocab_size: int) -> None:
             f"{expected} ({len(lengths)} sequences of {dtype.name}): the .bin is "
             f"{'truncated' if nbytes < expected else 'longer'} or the pair does not belong "
             "together; make both again with tools/preprocess_data.py")
-    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-    count = min(tokens.shape[0], _MAX_SCAN_BYTES // dtype.itemsize)
-    largest = int(tokens[:count].max())
+    largest = largest_token_id(prefix + ".bin", dtype)
     if largest >= vocab_size:
+        # tools/preprocess_data.py writes no record of its tokenizer beside the pair (nor
+        # does Megatron-LM's): the ids are what can be compared.
+        of = f" of --tokenizer-type {tokenizer_type}" if tokenizer_type else ""
         raise UsageError(
-            f"--data-path {prefix}: token id {largest} is outside the tokenizer's vocabulary "
-            f"of {vocab_size}; preprocess the data with the same --tokenizer-model"
-        )
+            f"--data-path {prefix}: {prefix}.bin holds token id {largest}, outside the "
+            f"vocabulary of {vocab_size} ids{of}: give --tokenizer-type/--tokenizer-model/"
+            "--vocab-file matching the one tools/preprocess_data.py used")
 
 
 def read_index(prefix: str, dtype: np.dtype) -> Tuple[np.ndarray, np.ndarray]:
@@ -181,19 +219,17 @@ def _dataset_config(cfg, tokenizer, dp_size: int):
 
 
 def build_datasets(cfg, runtime, tokenizer) -> Tuple:
-    """Builds (train, valid, test) GPT datasets sized for the run."""
+    """Builds (train, valid, test) GPT datasets sized for the run.
+
+    The files are checked by :func:`check_data` first (the Trainer does it before the
+    memory plan, so that a corpus that cannot be read is refused before anything else).
+    """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     data = cfg.data
-    if data.data_path:
-        for _, prefix in parse_data_path(data.data_path):
-            check_data_prefix(prefix, tokenizer.vocab_size)
-        check_split_sizes(data.split, [
-            (prefix, read_index(prefix, _index_dtype(prefix))[0])
-            for _, prefix in parse_data_path(data.data_path)])
     gbs = cfg.training.global_batch_size
     eval_samples = cfg.training.eval_iters * gbs
     iters = cfg.training.train_iters

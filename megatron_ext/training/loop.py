@@ -76,13 +76,36 @@ def _deterministic(runtime) -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def _evaluates(cfg, valid_ds) -> bool:
+    """Whether the run evaluates: --eval-iters > 0 and a validation split with samples.
+
+    As Megatron-LM, no validation split means no evaluation; said once at start here (an
+    empty split evaluated printed a nan loss at every interval). --skip-train (and
+    tools/evaluate.py) would have nothing to do: refused.
+
+    Raises:
+        UsageError: --skip-train with an empty validation split.
+    """
+    if not cfg.training.eval_iters:
+        return False
+    if valid_ds is not None and len(valid_ds) > 0:
+        return True
+    split = cfg.data.split
+    if cfg.training.skip_train:
+        raise UsageError(f"validation split is empty (--split {split}): there is nothing to "
+                         "evaluate; give the split a validation share")
+    log.info("validation split is empty (--split %s): evaluation is skipped; give the split "
+             "a validation share to evaluate", split)
+    return False
+
+
 class Trainer(Steps):
     """One run: model, optimizer, data and the loop over iterations."""
 
     def __init__(self, cfg):
         from megatron.core.distributed import finalize_model_grads
 
-        from megatron_ext.data.datasets import build_datasets
+        from megatron_ext.data.datasets import build_datasets, check_data
         from megatron_ext.data.tokenizer import build_tokenizer
         from megatron_ext.memory.report import plan_metrics
         from megatron_ext.memory.startup import plan_before_start
@@ -102,6 +125,8 @@ class Trainer(Steps):
         if cfg.training.deterministic_mode:
             _deterministic(rt)
         tokenizer = build_tokenizer(cfg.data)
+        # Before the plan and the model: the corpus readable, its ids in the vocabulary.
+        check_data(cfg.data, tokenizer.vocab_size, cfg.data.tokenizer_type)
         load_dir = load_checks.resolve_load_dir(cfg)
         # Before anything is built from it: every file verified, the model settings taken
         # (--use-checkpoint-args) or compared.
@@ -111,6 +136,7 @@ class Trainer(Steps):
         self.memory_plan = plan_before_start(cfg, rt, tokenizer.vocab_size)
         log.info("start-up: building the datasets")
         self.train_ds, self.valid_ds, _ = build_datasets(cfg, rt, tokenizer)
+        self.evaluates = _evaluates(cfg, self.valid_ds)
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                             cfg.model.make_vocab_size_divisible_by, rt.tp)
         if common is not None:
@@ -286,7 +312,7 @@ class Trainer(Steps):
                 if train.manual_gc and train.manual_gc_interval \
                         and it % train.manual_gc_interval == 0:
                     gc.collect()
-                if (train.eval_iters and train.eval_interval and it % train.eval_interval == 0
+                if (self.evaluates and train.eval_interval and it % train.eval_interval == 0
                         and it < train.train_iters):
                     self._log_eval()
                     window.lap()
@@ -310,7 +336,7 @@ class Trainer(Steps):
                     if self.last_saved != it:
                         self.save()
                     return 0
-        if train.eval_iters:
+        if self.evaluates:
             self._log_eval()
         if self.last_saved != self.state.iteration:
             self.save()

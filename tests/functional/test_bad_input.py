@@ -498,8 +498,10 @@ CASES = {
     "tokenizer file not a model": (
         lambda d: ["--data-path", f"{d}/ok", "--tokenizer-type", "SentencePieceTokenizer",
                    "--tokenizer-model", f"{d}/fake.model"], "not a SentencePiece model"),
-    "data vocab larger than tokenizer": (lambda d: null_data(f"{d}/bigvocab"),
-                                         "token id 500 is outside the tokenizer's vocabulary"),
+    "data vocab larger than tokenizer": (
+        lambda d: null_data(f"{d}/bigvocab"),
+        "bigvocab.bin holds token id 500, outside the vocabulary of 101 ids of --tokenizer-type "
+        "NullTokenizer: give --tokenizer-type"),
     "truncated bin": (lambda d: null_data(f"{d}/truncbin"),
                       "truncbin.bin has 3990 bytes, its index describes 4000"),
     "index points past the bin": (lambda d: null_data(f"{d}/pastbin"),
@@ -510,6 +512,10 @@ CASES = {
     "bad split": (lambda d: null_data(f"{d}/ok") + ["--split", "a,b"], "--split 'a,b'"),
     "split without training data": (lambda d: null_data(f"{d}/ok") + ["--split", "0,1,0"],
                                     "the training split is empty"),
+    "skip train with an empty validation split": (
+        lambda d: null_data(f"{d}/ok") + ["--split", "100,0,0", "--skip-train",
+                                          "--eval-iters", "1"],
+        "validation split is empty (--split 100,0,0): there is nothing to evaluate"),
     "small corpus with the default split": (
         lambda d: null_data(f"{d}/small"), "the test split of"),
     "megatron host offload on cpu": (

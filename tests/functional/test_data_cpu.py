@@ -39,3 +39,26 @@ def test_weighted_blend_trains_and_evaluates(tmp_path):
         assert parts <= 1.05 * r["time/iteration_s"] + 1e-3, r
     # megatron-core built its blend and split caches where we asked.
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_empty_validation_split_skips_evaluation_in_one_line(tmp_path):
+    """--split 100,0,0 with evaluation on: one line at start says evaluation is skipped,
+    and no validation loss (nan, as it was) is ever printed or recorded (issue 39)."""
+    rng = np.random.default_rng(0)
+    write_indexed_dataset(tmp_path / "c_text_document",
+                          [rng.integers(0, 100, 40).tolist() for _ in range(50)])
+    args = [a for a in TINY if a != "--mock-data"]
+    for flag in ("--vocab-size", "--eval-iters"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    metrics = tmp_path / "m.jsonl"
+    out = run_pretrain([
+        *args, "--data-path", str(tmp_path / "c_text_document"), "--split", "100,0,0",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "4",
+        "--eval-interval", "2", "--eval-iters", "2", "--metrics-path", str(metrics)]).stdout
+    line = ("validation split is empty (--split 100,0,0): evaluation is skipped; give the "
+            "split a validation share to evaluate")
+    assert out.count(line) == 1, out[-3000:]
+    assert "nan" not in out.lower(), out[-3000:]
+    assert "validation loss" not in out, out[-3000:]
+    assert not [r for r in read_metrics(metrics) if "eval/lm_loss" in r]

@@ -119,3 +119,35 @@ _KINDS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokeniz
 @pytest.fixture(autouse=True)
 def _quiet_tokenizers(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+def test_data_of_a_larger_tokenizer_is_refused_before_the_plan(tmp_path):
+    """A corpus preprocessed with GPT-2 BPE (300 ids) trained with a SentencePiece model
+    (124 ids): refused in one line naming the .bin, its largest id, the vocabulary and the
+    flags to fix, before the memory plan and the model (issue 39)."""
+    import numpy as np
+    import preprocess_data
+
+    from mext_testing import PRETRAIN, assert_one_error_line
+
+    vocab, merges = tf.make_gpt2_bpe(str(tmp_path / "gpt2"))
+    spm = tf.make_sentencepiece(str(tmp_path / "spm.model"))
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in tf.corpus(200)))
+    prefix = tmp_path / "corpus"
+    preprocess_data.main(["--input", str(data), "--output-prefix", str(prefix),
+                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                          "--merge-file", merges, "--append-eod", "--workers", "1"])
+    bin_path = f"{prefix}_text_document.bin"
+    largest = int(np.memmap(bin_path, dtype=np.uint16, mode="r").max())
+    assert largest >= 124
+    proc = subprocess.run(
+        [sys.executable, PRETRAIN, *TRAIN, "--data-path", f"{prefix}_text_document",
+         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert_one_error_line(
+        proc.returncode, proc.stdout, proc.stderr,
+        f"{bin_path} holds token id {largest}, outside the vocabulary of 124 ids of "
+        "--tokenizer-type SentencePieceTokenizer: give --tokenizer-type/--tokenizer-model/"
+        "--vocab-file matching the one tools/preprocess_data.py used")
+    assert "memory plan" not in proc.stdout and "building the model" not in proc.stdout
