@@ -2,7 +2,8 @@
 
 The conventions of every section are in :mod:`megatron_ext.config`. The knobs stand in for
 what :mod:`megatron_ext.memory.machine` measures (free GPU memory, ``MemAvailable``, each
-path's free space), so that CPU tests can make a run too big for an injected machine.
+path's free space, the --save disk's), so that CPU tests can make a run too big for an
+injected machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from megatron_ext.runtime.fields import knob, option
 GPU_FREE_ENV = "MEGATRON_EXT_GPU_FREE_GB"
 MEMAVAILABLE_ENV = "MEGATRON_EXT_MEMAVAILABLE_GB"
 PATH_FREE_ENV = "MEGATRON_EXT_PATH_FREE_GB"
+SAVE_FREE_ENV = "MEGATRON_EXT_SAVE_FREE_GB"
 
 
 def parse_gb(text: str) -> float:
@@ -69,6 +71,10 @@ class PlanConfig:
                                           metavar="GB,...")
     """Test hook: each --offload-paths directory's free space (GB, one per path, in order)
     the memory plan sees instead of statvfs."""
+    plan_save_free_gb: Optional[float] = knob(None, env=SAVE_FREE_ENV, parse=parse_gb,
+                                              metavar="GB")
+    """Test hook: the free space (GB) of the --save directory's disk the memory plan checks
+    one checkpoint against, instead of statvfs."""
 
     plan_stage_weights: str = knob("auto", env="MEGATRON_EXT_STAGE_WEIGHTS",
                                    parse=parse_stage_weights, metavar="auto|always|never")

@@ -1,9 +1,10 @@
 """The machine the memory plan sizes a run for: GPU, host memory, paths, speed.
 
 :func:`measure` reads this machine at start-up (free GPU memory, ``MemAvailable``, each
-``--offload-paths`` directory's free space; the knobs of :mod:`megatron_ext.memory.config`
-stand in for each); ``tools/plan_memory.py`` states a target machine instead
-(:class:`Machine` built from its flags). The only I/O of the package is here.
+``--offload-paths`` directory's free space, the ``--save`` disk's; the knobs of
+:mod:`megatron_ext.memory.config` stand in for each); ``tools/plan_memory.py`` states a
+target machine instead (:class:`Machine` built from its flags). The only I/O of the
+package is here.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class Machine:
         ranks_per_node: training processes sharing the host and the paths.
         paths: the ``--offload-paths`` directories, in order.
         tflops: achieved TFLOP/s per GPU of forward+backward (None: not known).
+        save_dir: the ``--save`` directory, or its nearest existing parent where it is not
+            made yet (None: no --save, or a stated target machine).
+        save_free_bytes: the free space of ``save_dir``'s file system (None: not known).
     """
 
     name: str
@@ -61,6 +65,8 @@ class Machine:
     ranks_per_node: int = 1
     paths: Tuple[PathCapacity, ...] = ()
     tflops: Optional[float] = None
+    save_dir: Optional[str] = None
+    save_free_bytes: Optional[int] = None
 
     def host_share(self) -> int:
         """The host memory one rank may plan with."""
@@ -132,11 +138,27 @@ def measure(cfg, runtime, environ=None) -> Machine:
     host = (int(plan.plan_memavailable_gb * GB) if plan.plan_memavailable_gb is not None
             else mem_available_bytes())
     tflops = plan.plan_tflops or (default_tflops(name) if not runtime.is_cpu else None)
+    save_dir = save_free = None
+    if cfg.checkpoint.save:
+        save_dir = existing_parent(cfg.checkpoint.save)
+        save_free = (int(plan.plan_save_free_gb * GB) if plan.plan_save_free_gb is not None
+                     else shutil.disk_usage(save_dir).free)
     return Machine(name=name, gpu_total_bytes=total, gpu_free_bytes=free,
                    host_available_bytes=host, ranks_per_node=_ranks_per_node(environ),
                    paths=tuple(measure_paths(cfg.offload.offload_paths,
                                              plan.plan_path_free_gb)),
-                   tflops=tflops)
+                   tflops=tflops, save_dir=save_dir, save_free_bytes=save_free)
+
+
+def existing_parent(path: str) -> str:
+    """``path`` if it exists, else its nearest existing parent (where it will be made)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def measure_paths(specs: Sequence[str], free_gb: Sequence[float] = ()) -> List[PathCapacity]:

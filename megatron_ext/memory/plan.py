@@ -98,6 +98,8 @@ class MemoryPlan:
         fwd_bwd_s: predicted forward+backward seconds (None: no TFLOP/s known).
         io_floor_s: seconds of the paths' reads and writes per iteration (slowest path).
         step_s: predicted iteration seconds.
+        checkpoint_weights_bytes, checkpoint_state_bytes: one checkpoint of the whole job
+            (every rank's part), its weights and its optimizer states (0: no --save).
         refusals: why the run cannot fit, one line each (empty: it fits).
     """
 
@@ -116,7 +118,14 @@ class MemoryPlan:
     fwd_bwd_s: Optional[float] = None
     io_floor_s: Optional[float] = None
     step_s: Optional[float] = None
+    checkpoint_weights_bytes: int = 0
+    checkpoint_state_bytes: int = 0
     refusals: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint's bytes (0: no --save)."""
+        return self.checkpoint_weights_bytes + self.checkpoint_state_bytes
 
     @property
     def tiers(self) -> List[Tier]:
@@ -317,7 +326,31 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
         if refusal:
             plan.refusals.append(refusal)
     _predict_times(plan, needs.tiered)
+    if cfg.checkpoint.save:
+        refusal = _plan_checkpoint(plan, cfg, mode)
+        if refusal:
+            plan.refusals.append(refusal)
     return plan
+
+
+def _plan_checkpoint(plan: MemoryPlan, cfg, mode) -> Optional[str]:
+    """Sizes one checkpoint of the job; the refusal when the --save disk cannot hold it.
+
+    The weights in the training dtype and the optimizer states as the mode saves them
+    (``Mode.checkpoint_state_bytes``), each parameter's once; the file system's free space
+    is the whole job's (ranks on a shared file system write to the same disk).
+    """
+    shape, machine = plan.shape, plan.machine
+    plan.checkpoint_weights_bytes = shape.total_params * shape.param_bytes
+    plan.checkpoint_state_bytes = int(shape.total_params
+                                      * mode.checkpoint_state_bytes(cfg, shape))
+    free = machine.save_free_bytes
+    if free is None or plan.checkpoint_bytes <= free:
+        return None
+    return (f"--save {cfg.checkpoint.save}: one checkpoint takes {gb(plan.checkpoint_bytes)} "
+            f"GB (weights {gb(plan.checkpoint_weights_bytes)}, optimizer states "
+            f"{gb(plan.checkpoint_state_bytes)}) and {machine.save_dir} has {gb(free)} GB "
+            "free: free space there, or give --save a directory on a larger disk")
 
 
 def _predict_times(plan: MemoryPlan, states: Optional[TieredStates]) -> None:

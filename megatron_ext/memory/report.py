@@ -54,6 +54,13 @@ def plan_table(plan: MemoryPlan) -> str:
     lines.append(f"  step: forward+backward {_seconds(plan.fwd_bwd_s)} ({flops}{tflops}), "
                  f"update I/O floor {_seconds(plan.io_floor_s)}, predicted "
                  f"{_seconds(plan.step_s)}")
+    if plan.checkpoint_bytes:
+        free = machine.save_free_bytes
+        lines.append(f"  checkpoint: {gb(plan.checkpoint_bytes)} GB per save (weights "
+                     f"{gb(plan.checkpoint_weights_bytes)}, optimizer states "
+                     f"{gb(plan.checkpoint_state_bytes)})"
+                     + (f" into {machine.save_dir}" if machine.save_dir else "")
+                     + (f", {gb(free)} GB free there" if free is not None else ""))
     if plan.mode == "offload" or plan.device_budget:
         lines.append(f"  device budget before the first step: {gb(plan.device_budget)} GB")
     lines.append("  fits" if not plan.refusals else
@@ -75,6 +82,7 @@ def plan_metrics(plan: MemoryPlan) -> Dict[str, float]:
         "memory/plan_host_only_subgroups": float(plan.host_subgroups),
         "memory/plan_device_budget_bytes": float(plan.device_budget),
         "memory/plan_state_bytes_per_element": float(plan.state_bytes_per_element),
+        "memory/plan_checkpoint_bytes": float(plan.checkpoint_bytes),
         "memory/plan_fits": float(not plan.refusals),
     }
     for index, path in enumerate(plan.paths):

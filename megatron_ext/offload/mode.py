@@ -101,6 +101,17 @@ class OffloadMode(Mode):
 
         settle_path_speeds(cfg.offload, runtime.rank)
 
+    def checkpoint_state_bytes(self, cfg, shape) -> float:
+        """The state files' bytes per element (the plan's arrays; 10 with remainders).
+
+        Files linked from a path on the save directory's file system take no new space at
+        the save, but the tier writes new ones at the next step while the checkpoint keeps
+        the old: counted all the same.
+        """
+        from megatron_ext.memory.shape import state_array_bytes
+
+        return float(sum(state_array_bytes(cfg)))
+
     def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
         """The shard's states in the tiers; the engine's staging on the GPU and the host.
 

@@ -602,6 +602,10 @@ ENV_CASES = {
         TWO_RANKS, "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2",
         MOCK + ["--hidden-size", "48", "--num-attention-heads", "3",
                 "--tensor-model-parallel-size", "2"]),
+    "save disk too small for one checkpoint": (
+        {"MEGATRON_EXT_SAVE_FREE_GB": "0.0001"},
+        "GB free: free space there, or give --save a directory on a larger disk",
+        MOCK + ["--save", "{tmp}/ckpt"]),
 }
 
 
