@@ -32,6 +32,18 @@ def _tier_row(tier: Tier) -> List[str]:
             what or "-"]
 
 
+def _shown(plan: MemoryPlan) -> List[Tier]:
+    """The tiers as the table shows them: on a CPU run there is no GPU, and what the plan
+    counts for the device (weights, gradients, activations, ...) lives in host memory."""
+    if plan.machine.gpu_total_bytes is not None:
+        return plan.tiers
+    items = dict(plan.gpu.items)
+    for name, value in plan.host.items.items():
+        items[name] = items.get(name, 0) + value
+    host = Tier("host", items, plan.host.capacity, subgroups=plan.host.subgroups)
+    return [host, *plan.paths]
+
+
 def plan_table(plan: MemoryPlan) -> str:
     """The plan in a few lines: a header, one row per tier, the step time, the verdict."""
     shape, machine = plan.shape, plan.machine
@@ -42,18 +54,19 @@ def plan_table(plan: MemoryPlan) -> str:
     if plan.subgroup_bytes:
         head += (f"; {plan.state_bytes_per_element} B/element states in subgroups of "
                  f"{gb(plan.subgroup_bytes)} GB")
-    rows = [["tier", "GB", "of GB", "subgroups", "what"]] + [_tier_row(t) for t in plan.tiers]
+    rows = [["tier", "GB", "of GB", "subgroups", "what"]] + [_tier_row(t) for t in _shown(plan)]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [head + ")"]
     for row in rows:
         lines.append("  " + " | ".join(cell.ljust(width) for cell, width in
                                         zip(row[:4], widths)) + " | " + row[4])
-    flops = f"{shape.flops_per_iteration:.3g} FLOPs"
-    tflops = f" at {machine.tflops:g} TFLOP/s per GPU" if machine.tflops else \
-        " (no TFLOP/s known: give --plan-tflops)"
-    lines.append(f"  step: forward+backward {_seconds(plan.fwd_bwd_s)} ({flops}{tflops}), "
-                 f"update I/O floor {_seconds(plan.io_floor_s)}, predicted "
-                 f"{_seconds(plan.step_s)}")
+    if machine.gpu_total_bytes is not None:  # a CPU run's step time is not predicted
+        flops = f"{shape.flops_per_iteration:.3g} FLOPs"
+        tflops = f" at {machine.tflops:g} TFLOP/s per GPU" if machine.tflops else \
+            " (no TFLOP/s known: give --plan-tflops)"
+        lines.append(f"  step: forward+backward {_seconds(plan.fwd_bwd_s)} ({flops}{tflops}), "
+                     f"update I/O floor {_seconds(plan.io_floor_s)}, predicted "
+                     f"{_seconds(plan.step_s)}")
     if plan.checkpoint_bytes:
         free = machine.save_free_bytes
         lines.append(f"  checkpoint: {gb(plan.checkpoint_bytes)} GB per save (weights "
@@ -61,7 +74,7 @@ def plan_table(plan: MemoryPlan) -> str:
                      f"{gb(plan.checkpoint_state_bytes)})"
                      + (f" into {machine.save_dir}" if machine.save_dir else "")
                      + (f", {gb(free)} GB free there" if free is not None else ""))
-    if plan.mode == "offload" or plan.device_budget:
+    if machine.gpu_total_bytes is not None and (plan.mode == "offload" or plan.device_budget):
         lines.append(f"  device budget before the first step: {gb(plan.device_budget)} GB")
     lines.append("  fits" if not plan.refusals else
                  "  does not fit: " + "; ".join(plan.refusals))

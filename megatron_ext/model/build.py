@@ -202,8 +202,10 @@ def build_gpt_model(cfg, runtime, vocab_size: int, vp_stage=None, config=None):
 
     m, par = cfg.model, cfg.parallel
     if config is None:
-        for note in resolve_layers(m, transformer_engine_available())[2]:
-            log.info(note)
+        notes = resolve_layers(m, transformer_engine_available())[2]
+        if not runtime.is_cpu:  # Transformer Engine is CUDA's: on a CPU run not news
+            for note in notes:
+                log.info(note)
         if par.sequence_parallel and par.tensor_model_parallel_size == 1:
             log.info("--sequence-parallel: off, tensor-parallel size is 1 (as Megatron-LM)")
         config = transformer_config(cfg, runtime)

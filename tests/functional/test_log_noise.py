@@ -25,3 +25,15 @@ def test_a_cpu_run_has_no_library_noise(tmp_path):
     assert (prof / "rank0-iter2-2.txt").is_file()
     noisy = [line for line in out.splitlines() if any(word in line for word in NOISE)]
     assert not noisy, "\n".join(noisy)
+
+
+def test_a_cpu_runs_plan_and_start_up_say_nothing_of_gpus():
+    # Megatron-LM's defaults (--transformer-impl transformer_engine, --attention-backend auto)
+    # fall back on a GPU run without Transformer Engine, in one line each; on the CPU
+    # Transformer Engine never applies, and the plan has no GPU to fill nor a step to predict.
+    out = run_pretrain([*TINY, "--train-iters", "1"]).stdout
+    plan = out[out.index("memory plan"):out.index("start-up:")]
+    assert [line.split("|")[0].strip() for line in plan.splitlines()[1:3]] == ["tier", "host"]
+    for word in ("GPU", "TFLOP", "step:", "device budget"):
+        assert word not in plan, plan
+    assert "Transformer Engine" not in out and "--attention-backend" not in out, out

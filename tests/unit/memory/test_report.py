@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_ext.config import parse_config
 from megatron_ext.memory.machine import target_machine
-from megatron_ext.memory.plan import plan_run
+from megatron_ext.memory.plan import gb, plan_run
 from megatron_ext.memory.report import plan_metrics, plan_table
 
 FLAGS = ["--num-layers", "36", "--hidden-size", "6144", "--num-attention-heads", "48",
@@ -48,3 +48,21 @@ def test_metrics_give_bytes_and_subgroups_per_tier():
     assert record["memory/plan_fits"] == 1.0
     assert record["memory/plan_step_s"] == plan.step_s
     assert all(isinstance(v, float) for v in record.values())
+
+
+def test_a_cpu_run_has_no_gpu_row_and_no_step_prediction():
+    from megatron_ext.memory.machine import Machine
+
+    cfg = parse_config(FLAGS)
+    cfg.check_world(1)
+    cpu = Machine(name="cpu", gpu_total_bytes=None, gpu_free_bytes=None,
+                  host_available_bytes=200 * 10**9)
+    plan = plan_run(cfg, 32001, 1, cpu)
+    lines = plan_table(plan).splitlines()
+    assert [line.split("|")[0].strip() for line in lines[1:3]] == ["tier", "host"]
+    # What the plan counts for the device lives in host memory on the CPU: one row holds it.
+    assert "weights" in lines[2] and "optimizer states" in lines[2]
+    assert lines[2].split("|")[1].strip() == gb(plan.gpu.used + plan.host.used)
+    text = "\n".join(lines)
+    assert "GPU" not in text and "TFLOP" not in text and "step:" not in text
+    assert "device budget" not in text
