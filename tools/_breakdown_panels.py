@@ -184,7 +184,10 @@ def feature_label(key: str, prefix: str, kind: str) -> str:
     """A legend label: the key without the feature prefix and the unit suffix."""
     label = key[len(prefix):]
     for suffix, suffix_kind in _SUFFIX_KINDS:
-        if suffix_kind == kind and label.endswith(suffix) and kind != "ratio":
+        # A field that is its unit's whole name (offload/roofline_ratio) keeps it: an empty
+        # label would be matplotlib's "_child0" in the legend.
+        if suffix_kind == kind and label.endswith(suffix) and kind != "ratio" \
+                and label != suffix.lstrip("_"):
             label = label[:-len(suffix)]
             break
     return label.replace("_", " ")
@@ -250,12 +253,15 @@ def feature_panels(train: Sequence[dict], prefix: str,
     return panels
 
 
-def plan_panels(train: Sequence[dict], evals: Sequence[dict]) -> List[Panel]:
+def plan_panels(train: Sequence[dict], evals: Sequence[dict],
+                detail: str = "summary") -> List[Panel]:
     """Decides which panels to draw and what goes on each (pure: no drawing).
 
     Args:
         train: training records (see :func:`split_records`).
         evals: evaluation records.
+        detail: ``"summary"``: the core panels (time, loss, throughput, memory) only;
+            ``"all"``: those and every optional feature's (see :func:`feature_panels`).
 
     Returns:
         The panels, top to bottom; a panel whose fields are all absent is left out.
@@ -284,10 +290,16 @@ def plan_panels(train: Sequence[dict], evals: Sequence[dict]) -> List[Panel]:
               for k in memory_keys if has_field(train, k)]
     if memory:
         panels.append(Panel("memory", "memory", "lines", "GiB", memory, from_zero=True))
-    left_out = left_out_fields(train)
-    for prefix in feature_prefixes(train):
-        panels.extend(feature_panels(train, prefix, left_out))
+    if detail == "all":
+        panels.extend(optional_panels(train))
     return panels
+
+
+def optional_panels(train: Sequence[dict]) -> List[Panel]:
+    """Every optional feature's panels (what ``detail="all"`` adds to the summary)."""
+    left_out = left_out_fields(train)
+    return [panel for prefix in feature_prefixes(train)
+            for panel in feature_panels(train, prefix, left_out)]
 
 
 def stacked_values(train: Sequence[dict], panel: Panel) -> List[List[float]]:

@@ -8,7 +8,9 @@ Panels, top to bottom, sharing the iteration axis:
 * ``loss``: the training ``lm_loss`` and, when the run evaluated, ``eval/lm_loss``;
 * ``throughput``: tokens/s; ``memory``: the memory fields (``memory/*_gib``: host RSS,
   and on a GPU the peak allocated and reserved memory);
-* for the fields of an optional feature (any prefix other than ``time/``, ``throughput/``,
+* with ``--panels all`` (the default, ``summary``, draws the four above and names at the
+  bottom of the figure how many panels more the file's optional features would add), for
+  the fields of an optional feature (any prefix other than ``time/``, ``throughput/``,
   ``memory/`` and ``eval/``: ``offload/...``, ``zenflow/...``, read from the records), only
   when the file has them, one panel per kind of field, found by the unit in the name:
   ``<p>/time`` (``*_s``, stacked: phases of the iteration that add up), ``<p>/background``
@@ -32,7 +34,7 @@ file already holds, the later record of an iteration wins.
 the command line is::
 
     python tools/plot_breakdown.py runs/quickstart/metrics.jsonl --output breakdown.png \\
-        [--title "my run"]
+        [--title "my run"] [--panels all]
 
 It prints the output path on stdout. Bad input (a missing or empty file, a line that is
 not a JSON object, no training records) is one ``error: FILE[:LINE]: ...`` line on stderr
@@ -54,6 +56,7 @@ from _breakdown_panels import (
     is_training,
     left_out_fields,
     number,
+    optional_panels,
     plan_panels,
     read_records,
     split_records,
@@ -163,7 +166,8 @@ def _draw_lines(ax, records_for, series_list, colors, divisor: float = 1.0):
     return handles
 
 
-def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> List[str]:
+def plot(records: Sequence[dict], output: str, title: Optional[str] = None,
+         detail: str = "summary") -> List[str]:
     """Draws the panels of ``records`` into the image file ``output``.
 
     Args:
@@ -171,6 +175,8 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
         output: the image path; the format follows its extension (``.png``, ``.svg``,
             ``.pdf``, ...). Written under a temporary name and renamed.
         title: the figure title; default: a summary of the records.
+        detail: ``"summary"`` (the four core panels) or ``"all"`` (and the optional
+            features' panels); see :func:`plan_panels`.
 
     Returns:
         The names of the panels drawn, top to bottom (see :func:`plan_panels`).
@@ -182,7 +188,7 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
     if not train:
         raise ToolError("no training records (records with lm_loss or time/iteration_s), "
                         f"only {len(evals)} evaluation records")
-    panels = plan_panels(train, evals)
+    panels = plan_panels(train, evals, detail)
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
 
     fig = Figure(figsize=(11, 0.8 + 2.4 * len(panels)), dpi=110, layout="constrained")
@@ -224,7 +230,7 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
     first, last = train[0]["iteration"], train[-1]["iteration"]
     fig.suptitle(title or f"{len(train)} logged iterations ({first}-{last}), "
                  f"{len(evals)} evaluations", fontsize=12)
-    note = left_out_note(left_out_fields(train))
+    note = figure_note(train, detail)
     if note:
         fig.supxlabel(note, fontsize=8, color="0.35")
 
@@ -238,6 +244,18 @@ def plot(records: Sequence[dict], output: str, title: Optional[str] = None) -> L
     finally:
         remove_quietly([tmp])
     return [panel.name for panel in panels]
+
+
+def figure_note(train: Sequence[dict], detail: str) -> Optional[str]:
+    """The figure's bottom line: in a summary, the optional features' panels it leaves
+    out and the flag that draws them; with all panels, the fields a CPU run leaves out."""
+    if detail == "all":
+        return left_out_note(left_out_fields(train))
+    more = optional_panels(train)
+    if not more:
+        return None
+    features = sorted({panel.name.split("/", 1)[0] for panel in more})
+    return (f"{' and '.join(features)} fields: {len(more)} more panels with --panels all")
 
 
 def left_out_note(left_out: Sequence[str]) -> Optional[str]:
@@ -269,6 +287,10 @@ def build_parser() -> ToolArgumentParser:
     parser.add_argument("--output", required=True,
                         help="image to write (.png; other matplotlib formats by extension)")
     parser.add_argument("--title", help="figure title (default: a summary of the records)")
+    parser.add_argument("--panels", choices=("summary", "all"), default="summary",
+                        help="summary (default): the time breakdown, loss, throughput and "
+                             "memory; all: also one panel per kind of field of the optional "
+                             "features (offload/..., zenflow/...) in the file")
     return parser
 
 
@@ -278,9 +300,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not any(is_training(r) for r in records):
         raise ToolError(f"{args.metrics}: no training records (none of its {len(records)} "
                         "records has lm_loss or time/iteration_s)")
-    panels = plot(records, args.output, title=args.title)
+    panels = plot(records, args.output, title=args.title, detail=args.panels)
     log(f"plot_breakdown: panels {', '.join(panels)}")
-    note = left_out_note(left_out_fields(split_records(records)[0]))
+    note = figure_note(split_records(records)[0], args.panels)
     if note:
         log(f"plot_breakdown: {' '.join(note.split())}")
     print(args.output, flush=True)

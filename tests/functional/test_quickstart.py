@@ -60,9 +60,10 @@ def test_quickstart_end_to_end(tmp_path, monkeypatch):
     assert (ckpt / f"iter_{ITERS:07d}" / "offload" / "rank00000" / "manifest.json").is_file()
     assert not list((work / "offload").rglob("sg*")), "tier files left after the run"
     height, width = matplotlib.image.imread(png).shape[:2]
-    # The 4 core panels and the offload ones (time, background, the I/O floor, the roofline
-    # ratio, ratio, bandwidth, memory, bytes, values).
-    assert (width, height) == (1210, round((0.8 + 2.4 * 13) * 110))
+    # The 4 core panels (time, loss, throughput, memory); the offload engine's 9 come with
+    # tools/plot_breakdown.py --panels all, as the figure's bottom line says.
+    assert (width, height) == (1210, round((0.8 + 2.4 * 4) * 110))
+    assert "offload fields: 9 more panels with --panels all" in out
     assert f"plot: {work}/breakdown.png" in out
 
     # It sampled from the model it trained: the prompt, then text with letters (after 12

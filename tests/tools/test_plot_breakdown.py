@@ -83,7 +83,8 @@ def assert_png(path, num_panels):
                                              (True, True)])
 def test_feature_panels_only_when_their_fields_exist(tmp_path, offload, zenflow):
     output = tmp_path / "breakdown.png"
-    panels = plot(synthetic_records(offload=offload, zenflow=zenflow), str(output))
+    panels = plot(synthetic_records(offload=offload, zenflow=zenflow), str(output),
+                  detail="all")
     expected = CORE_PANELS + (OFFLOAD_PANELS if offload else []) + \
         (ZENFLOW_PANELS if zenflow else [])
     assert panels == expected
@@ -95,13 +96,13 @@ def test_many_records_draw_as_stacked_areas(tmp_path):
     # Beyond plot_breakdown._MAX_BARS records the stacks are areas instead of bars.
     records = synthetic_records(range(1, 2 * plot_breakdown._MAX_BARS), offload=True)
     output = tmp_path / "many.png"
-    assert plot(records, str(output)) == CORE_PANELS + OFFLOAD_PANELS
+    assert plot(records, str(output), detail="all") == CORE_PANELS + OFFLOAD_PANELS
     assert_png(output, len(CORE_PANELS + OFFLOAD_PANELS))
 
 
 def test_feature_fields_are_grouped_by_unit():
     train, evals = split_records(synthetic_records(offload=True, zenflow=True))
-    panels = {p.name: p for p in plan_panels(train, evals)}
+    panels = {p.name: p for p in plan_panels(train, evals, "all")}
     keys = lambda name: sorted(s.key for s in panels[name].series)  # noqa: E731
     assert panels["offload/time"].kind == "stacked"
     assert keys("offload/time") == ["offload/convert_s", "offload/stall_s", "offload/update_s"]
@@ -185,11 +186,37 @@ def test_resumed_run_later_record_of_an_iteration_wins():
 def test_command_line_prints_the_output_and_the_panels(tmp_path):
     metrics = write_jsonl(tmp_path / "m.jsonl", synthetic_records(offload=True) + [""])
     output = tmp_path / "plots" / "b.png"  # the folder does not exist yet
-    run = run_tool("plot_breakdown.py", metrics, "--output", output, "--title", "a title")
+    run = run_tool("plot_breakdown.py", metrics, "--output", output, "--title", "a title",
+                   "--panels", "all")
     assert_ok(run)
     assert run.stdout == f"{output}\n"
     assert f"panels {', '.join(CORE_PANELS + OFFLOAD_PANELS)}" in run.stderr
     assert_png(output, len(CORE_PANELS + OFFLOAD_PANELS))
+
+
+def test_the_default_is_the_four_core_panels_and_names_the_others(tmp_path):
+    # An offload and ZenFlow run's file: a reader gets the time breakdown, the loss, the
+    # throughput and the memory, and one line naming what --panels all adds.
+    metrics = write_jsonl(tmp_path / "m.jsonl", synthetic_records(offload=True, zenflow=True))
+    output = tmp_path / "b.png"
+    run = run_tool("plot_breakdown.py", metrics, "--output", output)
+    assert_ok(run)
+    assert f"panels {', '.join(CORE_PANELS)}\n" in run.stderr
+    more = len(OFFLOAD_PANELS + ZENFLOW_PANELS)
+    assert f"offload and zenflow fields: {more} more panels with --panels all" in run.stderr
+    assert_png(output, len(CORE_PANELS))
+
+
+def test_every_legend_label_is_a_name():
+    # A field that is its unit's whole name (offload/roofline_ratio) kept no label, which
+    # matplotlib's legend shows as "_child0".
+    train, evals = split_records(synthetic_records(offload=True))
+    for record in train:
+        record.update({"offload/roofline_ratio": 1.4, "offload/io_floor_s": 0.1})
+    panels = {p.name: p for p in panels_of.feature_panels(train, "offload/")}
+    assert [s.label for s in panels["offload/roofline"].series] == ["roofline ratio"]
+    assert all(s.label and not s.label.startswith("_")
+               for p in panels.values() for s in p.series)
 
 
 def test_real_tiny_run_with_log_interval_3_and_evaluations(tmp_path):
@@ -252,7 +279,7 @@ def test_counts_and_bytes_get_axes_of_their_own():
                        "zenflow/d2h_bytes": 2.3e9, "zenflow/h2d_bytes": 4.0e8,
                        "zenflow/update_interval": 4.0})
     train, evals = split_records(records)
-    panels = {p.name: p for p in plan_panels(train, evals)}
+    panels = {p.name: p for p in plan_panels(train, evals, "all")}
     keys = lambda name: sorted(s.key for s in panels[name].series)  # noqa: E731
     assert keys("offload/bytes") == ["offload/io_bytes"]
     assert keys("offload/values") == ["offload/path0_subgroups"]
@@ -288,7 +315,7 @@ def test_a_cpu_run_draws_no_flat_zeros_and_says_so(tmp_path):
     left_out = panels_of.left_out_fields(train)
     assert left_out == ["offload/device_subgroups_n", "offload/device_tier_gib",
                         "offload/device_update_s", "offload/streamed_subgroups"]
-    panels = {p.name: p for p in plan_panels(train, evals)}
+    panels = {p.name: p for p in plan_panels(train, evals, "all")}
     drawn = {s.key for p in panels.values() for s in p.series}
     assert not drawn & set(left_out)
     # The offload memory and values panels had only device-tier fields: not drawn at all.
@@ -298,7 +325,7 @@ def test_a_cpu_run_draws_no_flat_zeros_and_says_so(tmp_path):
     assert [s.key for s in panels["memory"].series] == ["memory/host_rss_gib"]
     output = tmp_path / "cpu.png"
     run = run_tool("plot_breakdown.py", write_jsonl(tmp_path / "m.jsonl", cpu_records(
-        offload=True)), "--output", output)
+        offload=True)), "--output", output, "--panels", "all")
     assert_ok(run)
     assert ("no GPU in this run: not drawn, 0 in every record: offload: device_subgroups_n, "
             "device_tier_gib, device_update_s, streamed_subgroups") in run.stderr
@@ -311,7 +338,7 @@ def test_a_gpu_run_keeps_its_zero_fields():
         record["offload/device_update_s"] = 0.0
     train, evals = split_records(records)
     assert not panels_of.ran_on_cpu(train) and panels_of.left_out_fields(train) == []
-    panels = {p.name: p for p in plan_panels(train, evals)}
+    panels = {p.name: p for p in plan_panels(train, evals, "all")}
     assert "offload/device_update_s" in {s.key for s in panels["offload/time"].series}
 
 
@@ -330,6 +357,6 @@ def test_feature_prefixes_come_from_the_records(tmp_path):
                        "prefetch/read_gbps": 3.0})
     train, evals = split_records(records)
     assert panels_of.feature_prefixes(train) == ["prefetch/"]
-    assert [p.name for p in plan_panels(train, evals)] == CORE_PANELS + [
+    assert [p.name for p in plan_panels(train, evals, "all")] == CORE_PANELS + [
         "prefetch/time", "prefetch/ratio", "prefetch/bandwidth"]
-    assert plot(records, str(tmp_path / "p.png"))[-1] == "prefetch/bandwidth"
+    assert plot(records, str(tmp_path / "p.png"), detail="all")[-1] == "prefetch/bandwidth"
