@@ -1,10 +1,11 @@
 """The machine the memory plan sizes a run for: GPU, host memory, paths, speed.
 
-:func:`measure` reads this machine at start-up (free GPU memory, ``MemAvailable``, each
+:func:`measure` reads this machine at start-up (free GPU memory, the host memory the process may take, each
 ``--offload-paths`` directory's free space, the ``--save`` disk's; the knobs of
 :mod:`megatron_ext.memory.config` stand in for each); ``tools/plan_memory.py`` states a
 target machine instead (:class:`Machine` built from its flags). The only I/O of the
-package is here.
+package is here (the host's room through :mod:`megatron_ext.runtime.host_memory`, which the
+offload engine's auto sizes read too).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import dataclasses
 import os
 import shutil
 from typing import List, Optional, Sequence, Tuple
+
+from megatron_ext.runtime.host_memory import host_available
 
 GB = 1e9
 
@@ -49,7 +52,11 @@ class Machine:
         name: the device in words ("NVIDIA H200", "cpu", "target").
         gpu_total_bytes: memory of one GPU (None: no GPU, a CPU run).
         gpu_free_bytes: free memory of this rank's GPU now (None: no GPU).
-        host_available_bytes: the node's MemAvailable.
+        host_available_bytes: what the process may still allocate on the host: the node's
+            MemAvailable, or less where a memory cgroup or ``ulimit -v`` bounds the job
+            (:func:`megatron_ext.runtime.host_memory.host_available`).
+        host_source: what bounds ``host_available_bytes`` ("MemAvailable", "the memory
+            cgroup DIR", "ulimit -v").
         ranks_per_node: training processes sharing the host and the paths.
         paths: the ``--offload-paths`` directories, in order.
         tflops: achieved TFLOP/s per GPU of forward+backward (None: not known).
@@ -62,6 +69,7 @@ class Machine:
     gpu_total_bytes: Optional[int]
     gpu_free_bytes: Optional[int]
     host_available_bytes: int
+    host_source: str = "MemAvailable"
     ranks_per_node: int = 1
     paths: Tuple[PathCapacity, ...] = ()
     tflops: Optional[float] = None
@@ -89,15 +97,6 @@ def split_path_spec(text: str) -> Tuple[str, Optional[float], Optional[float]]:
         return text, None, None
     values = [float(part) for part in tail.split(",")]
     return head, values[0], values[-1]
-
-
-def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """The kernel's MemAvailable (what can be allocated without swapping), in bytes."""
-    with open(meminfo) as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{meminfo} has no MemAvailable line")
 
 
 def default_tflops(device_name: str) -> Optional[float]:
@@ -135,8 +134,15 @@ def measure(cfg, runtime, environ=None) -> Machine:
     if plan.plan_gpu_free_gb is not None:
         free = int(plan.plan_gpu_free_gb * GB)
         total = free if total is None else total
-    host = (int(plan.plan_memavailable_gb * GB) if plan.plan_memavailable_gb is not None
-            else mem_available_bytes())
+    host, host_source = None, "MemAvailable"
+    if plan.plan_memavailable_gb is not None:
+        host = int(plan.plan_memavailable_gb * GB)
+    else:
+        room = host_available()
+        if room is None:
+            raise OSError("/proc/meminfo has no MemAvailable line and no memory cgroup or "
+                          "ulimit -v bounds the process: give MEGATRON_EXT_MEMAVAILABLE_GB")
+        host, host_source = room.bytes, room.source
     tflops = plan.plan_tflops or (default_tflops(name) if not runtime.is_cpu else None)
     save_dir = save_free = None
     if cfg.checkpoint.save:
@@ -144,7 +150,8 @@ def measure(cfg, runtime, environ=None) -> Machine:
         save_free = (int(plan.plan_save_free_gb * GB) if plan.plan_save_free_gb is not None
                      else shutil.disk_usage(save_dir).free)
     return Machine(name=name, gpu_total_bytes=total, gpu_free_bytes=free,
-                   host_available_bytes=host, ranks_per_node=_ranks_per_node(environ),
+                   host_available_bytes=host, host_source=host_source,
+                   ranks_per_node=_ranks_per_node(environ),
                    paths=tuple(measure_paths(cfg.offload.offload_paths,
                                              plan.plan_path_free_gb)),
                    tflops=tflops, save_dir=save_dir, save_free_bytes=save_free)

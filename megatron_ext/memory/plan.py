@@ -122,6 +122,17 @@ class MemoryPlan:
     checkpoint_state_bytes: int = 0
     refusals: List[str] = dataclasses.field(default_factory=list)
 
+    def host_view(self) -> Tier:
+        """The host as the job fills it: on a CPU run (no GPU) what the plan counts for the
+        device (weights, gradients, activations, ...) lives in host memory beside the
+        host's own items; on a GPU run the host tier itself."""
+        if self.machine.gpu_total_bytes is not None:
+            return self.host
+        items = dict(self.gpu.items)
+        for name, value in self.host.items.items():
+            items[name] = items.get(name, 0) + value
+        return Tier("host", items, self.host.capacity, subgroups=self.host.subgroups)
+
     @property
     def checkpoint_bytes(self) -> int:
         """One checkpoint's bytes (0: no --save)."""
@@ -287,6 +298,20 @@ def _gpu_refusal(plan: MemoryPlan, gpu_fix: str, base: int) -> Optional[str]:
     return f"the run needs {gb(plan.gpu.used)} GB on the GPU ({parts}), {gb(free)} GB free: {fix}"
 
 
+def _bound(machine: Machine) -> str:
+    """What bounds the host's room where it is not the node's MemAvailable."""
+    return "" if machine.host_source == "MemAvailable" else f" (under {machine.host_source})"
+
+
+def _host_fix(machine: Machine) -> str:
+    """The remedy of a mode that has none of its own for a host too small."""
+    if machine.host_source == "MemAvailable":
+        return "free host memory"
+    if machine.host_source == "ulimit -v":
+        return "raise the job's address-space limit (ulimit -v) or free host memory"
+    return (f"raise the limit of {machine.host_source} (Slurm: --mem) or free host memory")
+
+
 def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
     """The memory plan of ``cfg`` on ``machine`` (see the module's description)."""
     mode = mode_of(cfg)
@@ -311,15 +336,16 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
         plan.refusals.append(refusal)
     reserve = (_host_reserve(cfg, plan.host.capacity, machine.ranks_per_node)
                if needs.host_reserve else 0)
-    if plan.host.used > plan.host.capacity - reserve:
-        parts = ", ".join(f"{k} {gb(v)}" for k, v in plan.host.items.items())
+    host = plan.host_view()
+    if host.used > plan.host.capacity - reserve:
+        parts = ", ".join(f"{k} {gb(v)}" for k, v in host.items.items())
         kept = f" less a reserve of {gb(reserve)}" if reserve else ""
         plan.refusals.append(
-            f"the run needs {gb(plan.host.used)} GB of host memory per rank ({parts}), "
-            f"{gb(plan.host.capacity)} GB available{kept}: "
-            f"{needs.host_fix or 'free host memory'}")
+            f"the run needs {gb(host.used)} GB of host memory per rank ({parts}), "
+            f"{gb(plan.host.capacity)} GB available{_bound(machine)}{kept}: "
+            f"{needs.host_fix or _host_fix(machine)}")
     if needs.tiered is not None:
-        host_room = (plan.host.capacity - plan.host.used
+        host_room = (plan.host.capacity - plan.host_view().used
                      - _host_reserve(cfg, machine.host_available_bytes,
                                      machine.ranks_per_node))
         refusal = _place_tiered(plan, needs.tiered, host_room)

@@ -33,15 +33,11 @@ def _tier_row(tier: Tier) -> List[str]:
 
 
 def _shown(plan: MemoryPlan) -> List[Tier]:
-    """The tiers as the table shows them: on a CPU run there is no GPU, and what the plan
-    counts for the device (weights, gradients, activations, ...) lives in host memory."""
+    """The tiers as the table shows them: on a CPU run there is no GPU row, its items are
+    in the host's (:meth:`MemoryPlan.host_view`)."""
     if plan.machine.gpu_total_bytes is not None:
         return plan.tiers
-    items = dict(plan.gpu.items)
-    for name, value in plan.host.items.items():
-        items[name] = items.get(name, 0) + value
-    host = Tier("host", items, plan.host.capacity, subgroups=plan.host.subgroups)
-    return [host, *plan.paths]
+    return [plan.host_view(), *plan.paths]
 
 
 def plan_table(plan: MemoryPlan) -> str:

@@ -7,6 +7,7 @@ imported inside :meth:`OffloadMode.build`.
 
 from __future__ import annotations
 
+
 from typing import Dict, List, Optional, Tuple
 
 from megatron_ext.optim.modes import (
@@ -66,6 +67,7 @@ class OffloadMode(Mode):
         the rest before the first step); the first step's measured peak then refines it.
         """
         from megatron_ext.memory.plan import device_budget_bytes
+        from megatron_ext.offload.capacity import host_knob_after_the_model
         from megatron_ext.offload.optimizer import offloaded_distributed_optimizer
         from megatron_ext.optim.factory import build_megatron_optimizer
         from megatron_ext.runtime.faults import Faults
@@ -74,7 +76,8 @@ class OffloadMode(Mode):
         if (plan is not None and cfg.offload.device_cache_auto
                 and plan.machine.gpu_free_bytes is not None):
             budget = device_budget_bytes(plan)
-        with offloaded_distributed_optimizer(cfg.offload, runtime.rank,
+        offload = host_knob_after_the_model(cfg.offload, plan)
+        with offloaded_distributed_optimizer(offload, runtime.rank,
                                              cfg.optimizer.state_layout(),
                                              Faults(cfg.faults.offload_fault),
                                              device_budget_bytes=budget) as bound:

@@ -62,10 +62,12 @@ class ZenFlowMode(Mode):
 
     def build(self, cfg, model_chunks, runtime, plan=None):
         """megatron-core's factory with the ZenFlow DistributedOptimizer bound into it."""
+        from megatron_ext.offload.capacity import host_knob_after_the_model
         from megatron_ext.optim.factory import build_megatron_optimizer
         from megatron_ext.zenflow.optimizer import zenflow_optimizer
 
-        with zenflow_optimizer(cfg.zenflow, runtime.rank, cfg.offload) as bound:
+        with zenflow_optimizer(cfg.zenflow, runtime.rank,
+                               host_knob_after_the_model(cfg.offload, plan)) as bound:
             return build_megatron_optimizer(cfg, model_chunks, bound)
 
     def measure_tiers(self, cfg, runtime) -> None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from mext_testing import TINY, baseline_losses, losses_of, read_metrics, run_pretrain
+from megatron_ext.config import parse_config
+from megatron_ext.memory.machine import Machine
+from megatron_ext.memory.plan import plan_run
+from mext_testing import TINY, TINY_VOCAB_IDS, baseline_losses, losses_of, read_metrics, run_pretrain
 
 ITERS = 8
 BASE = [*TINY, "--train-iters", str(ITERS), "--use-distributed-optimizer"]
@@ -24,10 +27,21 @@ AUTO = ["--offload-optimizer", "--offload-subgroup-size", str(SUBGROUP),
         "--offload-host-reserve-gb", "0"]
 
 
+def _on_the_host() -> int:
+    """What the plan counts for the device (weights, gradients, activations, ...), which a
+    CPU run keeps in host memory beside the cache (MemoryPlan.host_view)."""
+    cfg = parse_config([*BASE, *AUTO])
+    cfg.check_world(1)
+    cpu = Machine(name="cpu", gpu_total_bytes=None, gpu_free_bytes=None,
+                  host_available_bytes=10**12)
+    return plan_run(cfg, TINY_VOCAB_IDS + 1, 1, cpu).gpu.used
+
+
 def machine(host_buffers: int, path_subgroups=()) -> dict:
-    """The environment of a machine whose host holds ``host_buffers`` state buffers and
-    whose paths have room for ``path_subgroups`` subgroups each."""
-    env = {"MEGATRON_EXT_MEMAVAILABLE_GB": str((PIPELINE + host_buffers * STATE) / 1e9),
+    """The environment of a machine whose host holds the model and ``host_buffers`` state
+    buffers and whose paths have room for ``path_subgroups`` subgroups each."""
+    host = _on_the_host() + PIPELINE + host_buffers * STATE
+    env = {"MEGATRON_EXT_MEMAVAILABLE_GB": str(host / 1e9),
            "LOCAL_WORLD_SIZE": "1"}
     if path_subgroups:
         env["MEGATRON_EXT_PATH_FREE_GB"] = ",".join(str((SPARES + k * STATE) / 1e9)

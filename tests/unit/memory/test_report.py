@@ -56,7 +56,7 @@ def test_a_cpu_run_has_no_gpu_row_and_no_step_prediction():
     cfg = parse_config(FLAGS)
     cfg.check_world(1)
     cpu = Machine(name="cpu", gpu_total_bytes=None, gpu_free_bytes=None,
-                  host_available_bytes=200 * 10**9)
+                  host_available_bytes=300 * 10**9)
     plan = plan_run(cfg, 32001, 1, cpu)
     lines = plan_table(plan).splitlines()
     assert [line.split("|")[0].strip() for line in lines[1:3]] == ["tier", "host"]

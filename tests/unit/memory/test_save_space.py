@@ -57,6 +57,7 @@ def test_save_disk_too_small_for_one_checkpoint_is_refused_at_start(tmp_path, mo
         return Usage(100 * GB, 95 * GB, 5 * GB)
 
     monkeypatch.setattr(machine_mod.shutil, "disk_usage", disk_usage)
+    monkeypatch.setenv("MEGATRON_EXT_MEMAVAILABLE_GB", "1000")  # the host is not the question
     save = tmp_path / "runs" / "ckpt"  # not made yet: its nearest existing parent is asked
     cfg = _cfg("--save", str(save))
     with pytest.raises(UsageError) as err:
@@ -72,6 +73,7 @@ def test_save_disk_too_small_for_one_checkpoint_is_refused_at_start(tmp_path, mo
 def test_save_disk_that_holds_a_checkpoint_is_not_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(machine_mod.shutil, "disk_usage",
                         lambda path: Usage(100 * GB, 50 * GB, 50 * GB))
+    monkeypatch.setenv("MEGATRON_EXT_MEMAVAILABLE_GB", "1000")
     plan = plan_before_start(_cfg("--save", str(tmp_path)), CPU, 32001)
     assert not plan.refusals
     assert plan.machine.save_dir == str(tmp_path) and plan.machine.save_free_bytes == 50 * GB
