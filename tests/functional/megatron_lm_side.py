@@ -82,7 +82,7 @@ def _megatron_state(trainer, metadata, is_loading):
 
         # torch creates Adam's states at the first step, and megatron-core's
         # DistributedOptimizer cannot build the sharded state dict of a load without them
-        # (without Apex/Transformer Engine; bench/megatron_lm_launch.py does the same for
+        # (without Apex/Transformer Engine; bench/peers/megatron_lm_launch.py does the same for
         # Megatron-LM's own pretrain_gpt.py).
         _materialize_optimizer_states(trainer.optimizer)
     state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,

@@ -1,4 +1,4 @@
-"""bench/megatron_lm_compare.py: torch_dist checkpoints compared tensor by tensor."""
+"""bench/peers/megatron_lm_compare.py: torch_dist checkpoints compared tensor by tensor."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "peers"))
 
 import megatron_lm_compare  # noqa: E402
 

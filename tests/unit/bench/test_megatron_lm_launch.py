@@ -1,4 +1,4 @@
-"""bench/megatron_lm_launch.py: the pure parts of the launcher of Megatron-LM's training."""
+"""bench/peers/megatron_lm_launch.py: the pure parts of the launcher of Megatron-LM's training."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "peers"))
 
 import megatron_lm_launch  # noqa: E402
 

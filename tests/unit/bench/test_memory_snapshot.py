@@ -1,11 +1,11 @@
-"""bench/memory_snapshot.py: the blocks alive at the allocator's peak, grouped by owner."""
+"""bench/gpu/memory_snapshot.py: the blocks alive at the allocator's peak, grouped by owner."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
 
 import memory_snapshot  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""bench/profile_summary.py: device work is charged to the range that launched it."""
+"""bench/gpu/profile_summary.py: device work is charged to the range that launched it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
 
 import profile_summary  # noqa: E402
 

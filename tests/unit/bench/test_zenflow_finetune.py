@@ -1,4 +1,6 @@
-"""bench/zenflow_finetune.py and bench/ds_finetune.py: curves, summary, data split, schedule."""
+"""bench/gpu/zenflow_finetune.py and bench/peers/ds_finetune.py: curves, summary, data split,
+schedule.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "peers"))
 
 import ds_finetune  # noqa: E402
 import zenflow_finetune as zf  # noqa: E402

@@ -14,7 +14,7 @@ from megatron_ext.memory.plan import device_budget_bytes, make_plan, plan_run
 from megatron_ext.memory.shape import model_shape
 from megatron_ext.memory.startup import plan_before_start
 
-# The 16.5B row on one H200 (bench/gpu_offload_large.sh's flags).
+# The 16.5B row on one H200 (bench/gpu/gpu_offload_large.sh's flags).
 BIG = ["--num-layers", "36", "--hidden-size", "6144", "--num-attention-heads", "48",
        "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
        "--global-batch-size", "64", "--lr", "1e-4", "--train-iters", "10", "--mock-data",

@@ -17,7 +17,7 @@ from megatron_ext.training.metrics import num_parameters
 COMMON = ["--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
           "--global-batch-size", "64", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
           "--use-distributed-optimizer", "--bf16"]
-# The GPTs of bench/gpu_offload_large.sh (mock data, --vocab-size 32000: padded to 32128),
+# The GPTs of bench/gpu/gpu_offload_large.sh (mock data, --vocab-size 32000: padded to 32128),
 # whose names are their parameter counts.
 GPT = {"12.76B": ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40"],
        "16.5B": ["--num-layers", "36", "--hidden-size", "6144", "--num-attention-heads", "48"],
