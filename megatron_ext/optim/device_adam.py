@@ -13,7 +13,7 @@ update the same states to the same bits.
 
 Not the default yet: ``MEGATRON_EXT_DEVICE_ADAM=fused`` turns it on (``torch``, the
 default, keeps torch's path) until its GPU test and benchmark have run
-(``tests/gpu/test_gpu_device_adam.py``, ``bench/device_adam_bench.py``). Without Triton
+(``tests/gpu/test_gpu_device_adam.py``, ``bench/gpu/device_adam_bench.py``). Without Triton
 or CUDA the torch path is used whatever the variable says.
 """
 

@@ -12,7 +12,7 @@ class ToHost:
     before an optimizer launches large copies to the host on its side streams, it is not
     queued behind them: a GPU serves copies to the host in order, so a plain ``.item()``
     after ZenFlow's step would wait for its 2.3 GB of delayed gradients
-    (bench/copy_probe.py: 40 ms on the H200). The loop's log values and ZenFlow's rho take
+    (bench/gpu/copy_probe.py: 40 ms on the H200). The loop's log values and ZenFlow's rho take
     this way. A host tensor is kept as a copy.
     """
 

@@ -11,7 +11,7 @@ As Megatron-LM's ``--profile``:
   Megatron-LM, without shapes and Python stacks). Writes ``<--profile-dir>/rank<R>-iter<A>-<B>.txt``
   (operators and labelled ranges such as ``zenflow/send_delayed_grads`` by total CPU time,
   then by device time) and a Chrome trace ``.json`` of the same iterations (chrome://tracing
-  or Perfetto; ``bench/profile_summary.py``), and, when ``--tensorboard-dir`` is given, the
+  or Perfetto; ``bench/gpu/profile_summary.py``), and, when ``--tensorboard-dir`` is given, the
   trace there too in the layout of TensorBoard's profiler plugin (where Megatron-LM writes
   it).
 """

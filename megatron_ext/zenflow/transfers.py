@@ -118,7 +118,7 @@ class DelayedGrads:
                 self.cpu.deposit(buffer, steps, ready)
             return rho
         # Every read from the GPU of this step is above: the D2H queued below is served
-        # before any later copy to the host (bench/copy_probe.py), so a read after it waits.
+        # before any later copy to the host (bench/gpu/copy_probe.py), so a read after it waits.
         ready = None
         if self.is_cuda and grads:
             grads, ready = self._to_host(slot, grads)
