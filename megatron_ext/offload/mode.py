@@ -135,8 +135,7 @@ class OffloadMode(Mode):
         states = TieredStates(
             elements=shape.shard_elements, arrays=arrays, subgroup_size=off.offload_subgroup_size,
             device_bytes=None if off.device_cache_auto else off.device_cache_bytes(),
-            host_bytes=(None if off.host_cache_auto
-                        else int(round(float(off.offload_host_cache_gb) * 1e9))),
+            host_bytes=off.host_cache_bytes(),
             path_reserve_bytes=path_reserve_bytes(buffer),
             place=path_placement(off.offload_placement))
         return MemoryNeeds(gpu=gpu, host=host, tiered=states,

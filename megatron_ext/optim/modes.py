@@ -111,7 +111,8 @@ class TieredStates:
         subgroup_size: elements per subgroup (the unit of placement).
         device_bytes: bytes the device tier may take: None for auto (the plan's device
             budget), 0 for no device tier.
-        host_bytes: bytes of host memory for them: None for auto (what the host has left).
+        host_bytes: bytes of host memory for them: None for auto (what the host has left),
+            0 for no host cache (the pipeline's buffers only: every state on the paths).
         updates_per_iteration: how often they are all updated (1 every iteration; 1/S
             for a window of S iterations).
         overlaps_compute: whether their update runs beside forward and backward (ZenFlow's

@@ -138,8 +138,7 @@ class ZenFlowMode(Mode):
             interval = zen.zenflow_update_interval
             tiered = TieredStates(
                 elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,
-                host_bytes=(None if off.host_cache_auto
-                            else int(round(float(off.offload_host_cache_gb) * 1e9))),
+                host_bytes=off.host_cache_bytes(),
                 updates_per_iteration=1.0 / (int(interval) if interval.isdigit() else 4),
                 overlaps_compute=True,
                 path_reserve_bytes=path_reserve_bytes(

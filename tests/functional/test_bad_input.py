@@ -162,8 +162,10 @@ FLAG_CASES = {
                              "--tensor-model-parallel-size must be positive, got 0"),
     "query groups zero": (lambda d: MOCK + ["--group-query-attention", "--num-query-groups", "0"],
                           "--num-query-groups must be positive, got 0"),
-    "offload host cache zero": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "0"],
-                                "--offload-host-cache-gb must be positive"),
+    "offload host cache negative": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "-1"],
+                                    "--offload-host-cache-gb -1: give a size in GB (>= 0; 0 "
+                                    "for no host cache, the states in files on "
+                                    "--offload-paths) or auto"),
     "offload host cache inf": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "inf"],
                                "--offload-host-cache-gb inf: must be a finite number"),
     "offload subgroup size zero": (lambda d: MOCK + OFFLOAD + ["--offload-subgroup-size", "0"],
@@ -554,6 +556,10 @@ CASES = {
         lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}@1,1", "--offload-subgroup-size",
                                     "10000", "--offload-host-cache-gb", "0.0001"],
         "the pipeline needs 3"),
+    "offload no host cache and no paths": (
+        lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "0"],
+        "in host memory and there is no --offload-paths for them: give --offload-paths DIR, "
+        "or a positive --offload-host-cache-gb (or auto)"),
     "offload directory a planted symlink": (
         lambda d: MOCK + OFFLOAD + ["--offload-paths", _planted_offload_path(d) + "@1,1"],
         "is a symlink: refusing to follow it"),
