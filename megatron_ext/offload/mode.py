@@ -40,6 +40,24 @@ def path_reserve_bytes(subgroup_bytes: int) -> int:
     return PATH_SPARE_FILES * subgroup_bytes
 
 
+def host_cache_fixes(off) -> List[str]:
+    """What moves the offload engine's states out of host memory (its config ``off``).
+
+    The offload mode's own host fixes, and ZenFlow's when its CPU-side states live in the
+    engine's tiers.
+    """
+    if not off.offload_paths:
+        return ["--offload-paths DIR (a disk for the optimizer states) with a smaller "
+                "--offload-host-cache-gb"]
+    if off.host_cache_auto:
+        return ["a larger --offload-host-reserve-gb (host memory the cache leaves free), or "
+                "--offload-host-cache-gb 0 (every state in a file)"]
+    if not off.no_host_cache:
+        return ["a smaller --offload-host-cache-gb (0: every state in a file)"]
+    return ["a smaller --offload-subgroup-size (the pipeline's three host buffers are "
+            "subgroups)"]
+
+
 class OffloadMode(Mode):
     """The distributed optimizer's fp32 states in the offload engine's host cache and tiers."""
 
@@ -94,6 +112,10 @@ class OffloadMode(Mode):
                 f"fetch {ms('fetch_bg_s'):.1f} flush {ms('flush_bg_s'):.1f} lock wait "
                 f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
                 f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
+
+    def host_memory_fixes(self, cfg, on_cpu: bool) -> List[str]:
+        """The states out of the host cache and into files on the paths."""
+        return host_cache_fixes(cfg.offload)
 
     def measure_tiers(self, cfg, runtime) -> None:
         """The paths' bandwidths probed once, before the plan (``settle_path_speeds``)."""

@@ -118,6 +118,20 @@ PLACES = {
     "host oom in a worker": ("data:4:host-oom", [],
                              "error: out of memory on the host while loading data (asked 3.00 "
                              "GiB, "),
+    # Host remedies, the mode's (Mode.host_memory_fixes): on the CPU the plain optimizer's
+    # states are in host memory; the offload run has paths and a host cache of a size.
+    "host oom plain": ("optimizer:4:host-oom", [],
+                       "): try --use-distributed-optimizer --offload-optimizer --offload-paths "
+                       "DIR (the optimizer states in files on a disk), a smaller "
+                       "--micro-batch-size, fewer --num-workers, or fewer ranks per node"),
+    "host oom offload": ("optimizer:4:host-oom", OFFLOAD,
+                         "): try a smaller --offload-host-cache-gb (0: every state in a file), "
+                         "a smaller --micro-batch-size, fewer --num-workers, or fewer ranks per "
+                         "node"),
+    "host oom zenflow": ("zenflow-worker:4:host-oom", ZENFLOW,
+                         "): try --offload-optimizer --offload-paths DIR (ZenFlow's CPU-side "
+                         "states in the offload tiers, on a disk), a larger "
+                         "--zenflow-topk-ratio (fewer columns on the CPU side)"),
 }
 
 
