@@ -52,6 +52,17 @@ CASES = {
     "convert_checkpoint config.json without a model type": (
         "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/ck"],
         "--input {t}/bare_config: unsupported config.json"),
+    "convert_checkpoint save under a file": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save",
+                               "{t}/afile/ck"],
+        "--save {t}/afile/ck: {t}/afile is a file, so the directory cannot be created there; "
+        "give another path"),
+    "convert_checkpoint save that is a file": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/afile"],
+        "--save {t}/afile: is a file; give a directory"),
+    "convert_checkpoint output under a file": (
+        "convert_checkpoint", ["--to", "hf", "--load", "{t}", "--output", "{t}/afile/hf"],
+        "--output {t}/afile/hf: {t}/afile is a file, so the directory cannot be created"),
     "convert_checkpoint vocabulary padding zero": (
         "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/ck",
                                "--make-vocab-size-divisible-by", "0"],
@@ -192,12 +203,19 @@ CASES = {
 # Bad input a tool finds once it has said what it starts to do (the first input line, the
 # output path, the checkpoint's files), run as processes: its error line must be all it
 # prints on stderr, without that start line (or the trainer's start-up log). {ckpt}: a
-# tiny run's checkpoint, damaged.
+# tiny run's checkpoint (NullTokenizer); {damaged}: a copy with a file cut short.
 PROCESS_ONLY = {
     "evaluate a damaged checkpoint": (
-        "evaluate", ["--load", "{ckpt}", "--data-path", "{t}/tokens", "--eval-iters", "1",
+        "evaluate", ["--load", "{damaged}", "--data-path", "{t}/tokens", "--eval-iters", "1",
                      "--split", "0,100,0"],
         "__0_0.distcp: 100 bytes"),
+    "generate a null tokenizer prompt of words": (
+        "generate", ["--load", "{ckpt}", "--prompt", "hello world"],
+        "--prompt 'hello world': 'hello' is not a token id: NullTokenizer reads text as "
+        "space-separated token ids (e.g. --prompt '1 2 3')"),
+    "generate a token id outside the vocabulary": (
+        "generate", ["--load", "{ckpt}", "--prompt", "1 99999"],
+        "--prompt: token id 99999 is outside the vocabulary of "),
 }
 # Run as processes too: tools without torch and with it, and those above.
 PROCESS_CASES = ["build_corpus output under a file", "build_corpus of files with no text",
@@ -248,12 +266,17 @@ def test_bad_tool_input_gives_one_line(inputs, capsys, case):
 
 
 @pytest.fixture(scope="module")
-def damaged_checkpoint(run_cache, tmp_path_factory):
-    """A copy of a tiny run's checkpoint (once a session) with a file cut short: found when
-    the trainer, built, loads it."""
-    run = run_cache.run([*TINY, "--train-iters", "2", "--save", "{run}/ckpt"])
+def checkpoint(run_cache):
+    """A tiny run's checkpoint (once a session; the tests only read it)."""
+    return run_cache.run([*TINY, "--train-iters", "2", "--save", "{run}/ckpt"]).directory / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def damaged(checkpoint, tmp_path_factory):
+    """A copy of :func:`checkpoint` with a file cut short: found when the trainer, built,
+    loads it."""
     copy = tmp_path_factory.mktemp("damaged") / "ckpt"
-    shutil.copytree(run.directory / "ckpt", copy)
+    shutil.copytree(checkpoint, copy)
     os.truncate(copy / "iter_0000002" / "__0_0.distcp", 100)
     return copy
 
@@ -263,8 +286,10 @@ def test_bad_tool_input_in_a_process(inputs, request, case):
     tool, argv, expected = {**CASES, **PROCESS_ONLY}[case]
 
     def fill(text: str) -> str:
-        if "{ckpt}" in text:
-            text = text.replace("{ckpt}", str(request.getfixturevalue("damaged_checkpoint")))
+        for name in ("ckpt", "damaged"):
+            if f"{{{name}}}" in text:
+                fixture = "checkpoint" if name == "ckpt" else name
+                text = text.replace(f"{{{name}}}", str(request.getfixturevalue(fixture)))
         return text.replace("{t}", str(inputs))
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, f"{tool}.py"),
                            *[fill(a) for a in argv]], cwd=ROOT, capture_output=True, text=True,
