@@ -209,6 +209,11 @@ PROCESS_ONLY = {
         "evaluate", ["--load", "{damaged}", "--data-path", "{t}/tokens", "--eval-iters", "1",
                      "--split", "0,100,0"],
         "__0_0.distcp: 100 bytes"),
+    "generate a damaged checkpoint": (
+        "generate", ["--load", "{damaged}", "--prompt", "1 2"], "__0_0.distcp: 100 bytes"),
+    "convert_checkpoint a damaged checkpoint": (
+        "convert_checkpoint", ["--to", "hf", "--load", "{damaged}", "--output", "{t}/hf"],
+        "__0_0.distcp: 100 bytes"),
     "generate a null tokenizer prompt of words": (
         "generate", ["--load", "{ckpt}", "--prompt", "hello world"],
         "--prompt 'hello world': 'hello' is not a token id: NullTokenizer reads text as "
