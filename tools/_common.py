@@ -12,7 +12,10 @@ Conventions every tool follows through :func:`run_tool`:
 * Ctrl-C and SIGTERM unwind through ``finally`` blocks (so temporary files are removed)
   and exit with 130 and 143, as a shell reports a process killed by that signal;
 * output files are written under a temporary name in the same directory and renamed at
-  the end (:func:`temporary_path`), so a reader never sees a half-written file.
+  the end (:func:`temporary_path`), so a reader never sees a half-written file;
+* a tool that fails on bad input prints its error line alone: what it says as it starts
+  (:func:`log_start`) is held back until its work is under way (the next :func:`log`
+  line, :data:`START_HOLD_S` seconds, or its end), and dropped when it fails before.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,8 +53,74 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+START_HOLD_S = 5.0
+"""How long a tool's start lines are held back when nothing else is printed meanwhile."""
+
+
+class _HeldStart:
+    """The start lines of a tool, held back until its work is under way.
+
+    A bad input is usually found right after the tool says what it is about to do (the
+    first line of the input, the first write): the error line is then all it prints.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._text: List[str] = []
+        self._timer: Optional[threading.Timer] = None
+
+    def add(self, text: str) -> None:
+        with self._lock:
+            self._text.append(text)
+            if self._timer is None:
+                self._timer = threading.Timer(START_HOLD_S, self.release)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def release(self) -> None:
+        """Prints what is held (the work is under way, or done)."""
+        with self._lock:
+            self._cancel()
+            if self._text:
+                sys.stderr.write("".join(self._text))
+                sys.stderr.flush()
+                self._text.clear()
+
+    def drop(self) -> None:
+        """Forgets what is held (the tool failed before its work got under way)."""
+        with self._lock:
+            self._cancel()
+            self._text.clear()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+_held = _HeldStart()
+
+
+class HeldStream:
+    """A text stream whose writes are start lines (:func:`log_start`): for the output of
+    what a tool starts with, such as the trainer's start-up log."""
+
+    def write(self, text: str) -> int:
+        _held.add(text)
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing to flush: the text is held."""
+
+
+def log_start(message: str) -> None:
+    """A line on what the tool is about to do, on stderr once its work is under way."""
+    _held.add(message + "\n")
+
+
 def log(message: str) -> None:
     """Prints one progress or summary line to stderr (stdout stays free for data)."""
+    _held.release()
     print(message, file=sys.stderr, flush=True)
 
 
@@ -68,20 +138,29 @@ def run_tool(main: Callable[[Optional[Sequence[str]]], None],
     # SIGTERM (what a scheduler or `kill` sends) must unwind like Ctrl-C does, or the
     # process dies inside the write loop and leaves temporary files behind.
     signal.signal(signal.SIGTERM, _raise_terminated)
+    _held.drop()
     try:
         main(argv)
     except ToolError as err:
+        _held.drop()
         log(f"error: {err}")
         return EXIT_USAGE
     except KeyboardInterrupt:
+        _held.drop()
         log("interrupted (Ctrl-C); no output written")
         return EXIT_SIGINT
     except Terminated:
+        _held.drop()
         log("terminated (SIGTERM); no output written")
         return EXIT_SIGTERM
     except BrokenPipeError:
         # stderr closed by the reader (e.g. `| head`): nothing useful left to say.
+        _held.drop()
         return 1
+    except BaseException:
+        _held.release()  # a bug: its traceback follows what the tool was doing
+        raise
+    _held.release()
     return 0
 
 

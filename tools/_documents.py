@@ -18,7 +18,7 @@ from __future__ import annotations
 import gzip
 from typing import BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 
-from _common import ToolError, log
+from _common import ToolError, log_start
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # How plain text is cut into documents (preprocess_data.py --text-documents).
@@ -134,6 +134,6 @@ def resolve_inputs(args, paths: Sequence[str]) -> List[str]:
         what = {"lines": "one document per non-empty line",
                 "blocks": "one document per block of lines between blank lines",
                 "file": "one document per file"}[args.text_documents]
-        log(f"reading {len(text)} plain-text file(s), {what} (--text-documents "
+        log_start(f"reading {len(text)} plain-text file(s), {what} (--text-documents "
             f"{args.text_documents})")
     return formats

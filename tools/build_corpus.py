@@ -49,6 +49,7 @@ from _common import (
     ensure_parent_dir,
     human_mb,
     log,
+    log_start,
     non_negative_int,
     positive_int,
     remove_quietly,
@@ -303,9 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     kind = "files" if args.files else args.kind or "stdlib-python"
     texts = text_files(args.files) if args.files else KINDS[kind]()
     names = order_files(texts.names, args.seed)
-    log(f"build_corpus: kind {kind}, {len(names)} {texts.unit} from {texts.origin}")
-
     ensure_parent_dir(args.output)
+    log_start(f"build_corpus: kind {kind}, {len(names)} {texts.unit} from {texts.origin}")
+
     tmp_path = temporary_path(args.output)
     stats = CorpusStats()
     done = False

@@ -72,6 +72,17 @@ def build_parser() -> ToolArgumentParser:
     return parser
 
 
+def _check_output(flag: str, path: str) -> None:
+    """The directory to write can be made there (a file in the way is found now, not after
+    the conversion)."""
+    from megatron_ext.config.checks import output_path
+
+    try:
+        output_path(flag, path)
+    except UsageError as err:
+        raise ToolError(str(err)) from None
+
+
 def _check_args(args) -> str:
     if args.to is not None and args.from_format is not None:
         raise ToolError("--to and --from are exclusive; give one direction")
@@ -80,6 +91,7 @@ def _check_args(args) -> str:
             raise ToolError(f"--to {args.to}: unknown format; supported: hf")
         if not args.load or not args.output:
             raise ToolError("--to hf needs --load CKPT_DIR and --output HF_DIR")
+        _check_output("--output", args.output)
         return "to_hf"
     if args.from_format is not None:
         if args.from_format != "hf":
@@ -88,6 +100,7 @@ def _check_args(args) -> str:
             raise ToolError("--from hf needs --input HF_DIR and --save CKPT_DIR")
         if args.make_vocab_size_divisible_by < 1:
             raise ToolError("--make-vocab-size-divisible-by must be >= 1")
+        _check_output("--save", args.save)
         return "from_hf"
     raise ToolError("give --to hf (with --load, --output) or --from hf (with --input, --save)")
 
@@ -139,8 +152,6 @@ def to_hf(args) -> None:
     common = standalone.read_common(path)
     model_cfg = standalone.model_config(common)
     family = hf.family_of(model_cfg)
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise ToolError(f"--output {args.output} is a file; give a new directory")
     if os.path.isdir(args.output) and os.listdir(args.output):
         raise ToolError(f"--output {args.output} exists and is not empty; give a new directory")
     model, cfg, _, _ = standalone.load_model(path, device="cpu", fp32=True)

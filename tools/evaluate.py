@@ -21,10 +21,10 @@ import contextlib
 import json
 import math
 import os
-import sys
 from typing import Optional, Sequence
 
 from _common import (
+    HeldStream,
     ToolArgumentParser,
     ToolError,
     add_tokenizer_args,
@@ -75,8 +75,9 @@ def evaluate(args) -> dict:
         data["split"] = args.split
     cfg = standalone.run_config(common, device=args.device, fp32=False, data=data,
                                 training={"skip_train": True, "eval_iters": eval_iters})
-    # The trainer's progress lines go to stderr: stdout holds the result only.
-    with contextlib.redirect_stdout(sys.stderr):
+    # The trainer's start-up lines go to stderr once the evaluation is under way (not
+    # before a bad input's error line): stdout holds the result only.
+    with contextlib.redirect_stdout(HeldStream()):
         trainer = Trainer(cfg)
         try:
             trainer.state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizer,

@@ -150,6 +150,28 @@ def generate(model, prompt_ids: List[int], max_new_tokens: int, vocab_size: int,
     return new
 
 
+def prompt_token_ids(tokenizer, prompt: str, vocab: int) -> List[int]:
+    """The prompt's token ids, each one the model has.
+
+    Raises:
+        ToolError: the tokenizer cannot read it (NullTokenizer's prompt is token ids), it is
+            empty, or an id is outside the vocabulary.
+    """
+    try:
+        ids = tokenizer.tokenize(prompt)
+    except ValueError as err:
+        example = " (e.g. --prompt '1 2 3')" if type(tokenizer).__name__ == "NullTokenizer" \
+            else ""
+        raise ToolError(f"--prompt {prompt[:60]!r}: {err}{example}") from None
+    if not ids:
+        raise ToolError("--prompt is empty after tokenization")
+    outside = [i for i in ids if not 0 <= i < vocab]
+    if outside:
+        raise ToolError(f"--prompt: token id {outside[0]} is outside the vocabulary of {vocab} "
+                        f"ids (0 to {vocab - 1})")
+    return ids
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     settings = sampling_settings(args)
@@ -182,9 +204,7 @@ def _run(args, settings: dict) -> None:
     if vocab > model.vocab_size:
         raise ToolError(f"the tokenizer has {vocab} tokens, the model {model.vocab_size}: "
                         "give the run's --tokenizer-model")
-    prompt_ids = tokenizer.tokenize(args.prompt)
-    if not prompt_ids:
-        raise ToolError("--prompt is empty after tokenization")
+    prompt_ids = prompt_token_ids(tokenizer, args.prompt, vocab)
     log(f"generate: {path} on {runtime.device.type}, prompt of {len(prompt_ids)} tokens, "
         f"{'greedy' if settings['greedy'] else 'sampling'}")
     note = trailing_space_note(args.prompt)

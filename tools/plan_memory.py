@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     if note:
         print(note, flush=True)
-    print(plan_table(plan), flush=True)
+    print(plan_table(plan, tflops_flag="--target-tflops"), flush=True)
     if plan.refusals:
         print(f"error: memory plan: {plan.refusals[0]}", file=sys.stderr, flush=True)
         return EXIT_USAGE

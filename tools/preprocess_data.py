@@ -59,6 +59,7 @@ from _common import (
     check_input_file,
     ensure_parent_dir,
     log,
+    log_start,
     positive_int,
     run_tool,
 )
@@ -327,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     tokenizer = load_tokenizer(tokenizer_args)
     note = training_difference(tokenizer, tokenizer_args)
     if note:
-        log(note)
+        log_start(note)
     eod_id = None
     if args.append_eod:
         eod_id = tokenizer.eod
@@ -339,7 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "prefix such as data/corpus")
     prefixes = output_prefixes(args.output_prefix, args.json_keys)
     ensure_parent_dir(args.output_prefix)
-    log(f"tokenizing {len(paths)} file(s) with {args.workers} worker(s); vocab "
+    log_start(f"tokenizing {len(paths)} file(s) with {args.workers} worker(s); vocab "
         f"{tokenizer.vocab_size}, EOD {'id ' + str(eod_id) if eod_id is not None else 'off'}")
 
     writer = DatasetWriter(prefixes, tokenizer.vocab_size)

@@ -32,6 +32,7 @@ from _common import (
     ToolError,
     ensure_parent_dir,
     log,
+    log_start,
     positive_int,
     run_tool,
     temporary_path,
@@ -127,6 +128,13 @@ def summary_json(samples: Sequence[PathSamples], args) -> dict:
     }
 
 
+def check_json_output(path: str) -> None:
+    """Refuses a --json path that cannot be written, before the probes take their time."""
+    if path.endswith(os.sep) or os.path.isdir(path):
+        raise ToolError(f"--json {path} is a directory; give a file path")
+    ensure_parent_dir(path)
+
+
 def write_json(path: str, data: dict) -> None:
     ensure_parent_dir(path)
     tmp = temporary_path(path)
@@ -175,8 +183,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if real in seen:
             raise ToolError(f"{path}: same directory as {seen[real]}, listed twice")
         seen[real] = path
+    if args.json:
+        check_json_output(args.json)
     for note in same_file_system_notes(args.dirs):
-        log(f"probe_tiers: {note}")
+        log_start(f"probe_tiers: {note}")
 
     samples = [PathSamples(path) for path in args.dirs]
     for round_index in range(1, args.repeat + 1):

@@ -41,6 +41,7 @@ from _common import (
     ensure_parent_dir,
     human_mb,
     log,
+    log_start,
     non_negative_int,
     parse_json_line,
     positive_int,
@@ -283,16 +284,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise ToolError("--quiet and --verbose are exclusive")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ToolError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
-
-    stats = ReadStats()
-    documents = iter_documents(args.input, args.input_format, args.json_keys, stats)
-    lines, total_lines = reservoir_sample(iter_training_lines(documents),
-                                          args.input_sentence_size, args.seed)
-    log(f"train_tokenizer: read {stats.documents} documents, {human_mb(stats.text_bytes)}, "
-        f"{total_lines} non-empty lines; training on {len(lines)} of them")
-    if not lines:
-        raise ToolError("the input has no text to train on; check --input and --json-keys")
-
     model_path = args.output_prefix + ".model"
     vocab_path = args.output_prefix + ".vocab"
     for path in (model_path, vocab_path):
@@ -300,7 +291,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise ToolError(f"--output-prefix {args.output_prefix}: {path} is a directory")
     ensure_parent_dir(model_path)
 
-    log(f"train_tokenizer: training a {args.model_type} model of {args.vocab_size} pieces on "
+    stats = ReadStats()
+    documents = iter_documents(args.input, args.input_format, args.json_keys, stats)
+    lines, total_lines = reservoir_sample(iter_training_lines(documents),
+                                          args.input_sentence_size, args.seed)
+    if not lines:
+        raise ToolError("the input has no text to train on; check --input and --json-keys")
+    log_start(f"train_tokenizer: read {stats.documents} documents, "
+              f"{human_mb(stats.text_bytes)}, {total_lines} non-empty lines; training on "
+              f"{len(lines)} of them")
+    log_start(f"train_tokenizer: training a {args.model_type} model of {args.vocab_size} pieces on "
         f"{len(lines)} lines with {args.num_threads} threads"
         f"{'' if args.verbose else ' (SentencePiece log: --verbose)'}")
     started = time.perf_counter()

@@ -213,11 +213,22 @@ def write_manifest(directory: str, group=None) -> None:
         os.close(fd)
 
 
+def inside(name: str) -> bool:
+    """Whether ``name`` is a path below a directory: relative, normal, no ``..``. Pure.
+
+    What a manifest may name: a file of its checkpoint (an entry such as
+    ``../../etc/passwd`` would have the check read, and name, a file elsewhere).
+    """
+    return (bool(name) and not os.path.isabs(name) and os.path.normpath(name) == name
+            and name != os.pardir and not name.startswith(os.pardir + os.sep))
+
+
 def read_manifest(directory: str) -> Optional[dict]:
     """The manifest's ``files`` table, or None when the checkpoint has no manifest.
 
     Raises:
-        ValueError: the manifest exists but is not a valid one (the reason in words).
+        ValueError: the manifest exists but is not a valid one (the reason in words; an
+            entry outside the checkpoint's directory named).
     """
     path = os.path.join(directory, MANIFEST)
     if not os.path.lexists(path):
@@ -236,6 +247,9 @@ def read_manifest(directory: str) -> Optional[dict]:
             isinstance(v, dict) and isinstance(v.get("size"), int)
             and isinstance(v.get("xxh3"), str) for v in files.values()):
         raise ValueError("has no valid file table")
+    for name in sorted(files):
+        if not inside(name):
+            raise ValueError(f"lists {name!r}, a path outside the checkpoint's directory")
     return files
 
 

@@ -193,17 +193,23 @@ def build_bare_model(cfg, runtime, vocab_size: int):
 
 
 def load_weights(model, path: str) -> None:
-    """Loads the model weights of the checkpoint at ``path`` into ``model`` (any layout)."""
+    """Loads the model weights of the checkpoint at ``path`` into ``model`` (any layout).
+
+    Its files are verified against its manifest first (as ``pretrain_gpt.py --load`` does).
+    """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_ext.checkpoint import integrity
 
+    integrity.verify(path)
     try:
         with integrity.weights_only_sharded_objects(path):
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
     except UsageError:
         raise
-    except Exception as err:  # noqa: BLE001 - a shape or key mismatch is the user's input
+    # torch's CheckpointException (a file that does not read) is a BaseException.
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - the user's input
         raise UsageError(f"--load {path}: the checkpoint's weights do not fit the model its "
                          f"settings describe ({str(err).splitlines()[0][:300]})")
     model.load_state_dict(loaded["model"])

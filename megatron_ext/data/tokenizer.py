@@ -472,8 +472,19 @@ class NullTokenizer(_Tokenizer):
         super().__init__(vocab_size=self.vocab_size)
 
     def tokenize(self, text: str) -> List[int]:
-        """Whitespace-separated integers as ids."""
-        return [int(x) for x in text.split()]
+        """Whitespace-separated integers as ids.
+
+        Raises:
+            ValueError: a word that is not an integer (the message names it).
+        """
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise ValueError(f"{word[:40]!r} is not a token id: NullTokenizer reads text "
+                                 "as space-separated token ids") from None
+        return ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
         """Ids as whitespace-separated integers."""

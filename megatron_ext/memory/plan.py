@@ -224,6 +224,14 @@ def _place_tiered(plan: MemoryPlan, states: TieredStates, host_room: int) -> Opt
     hosted = [i for i in range(n) if i not in set(device_ids)]
     fits = (states.host_bytes if states.host_bytes is not None else max(0, host_room)) // buffer
     all_bytes = sum(sizes)
+    if states.host_bytes == 0 and hosted:
+        # No host cache: the pipeline's buffers alone, every state in a file on the paths.
+        if not plan.paths:
+            return (f"--offload-host-cache-gb 0 keeps none of the optimizer states "
+                    f"({gb(sum(sizes[i] for i in hosted))} GB) in host memory and there is no "
+                    "--offload-paths for them: give --offload-paths DIR, or a positive "
+                    "--offload-host-cache-gb (or auto)")
+        fits = PIPELINE_BUFFERS
     if not plan.paths:
         if fits < len(hosted):
             short = (len(hosted) - fits) * buffer

@@ -40,8 +40,18 @@ def _shown(plan: MemoryPlan) -> List[Tier]:
     return [plan.host_view(), *plan.paths]
 
 
-def plan_table(plan: MemoryPlan) -> str:
-    """The plan in a few lines: a header, one row per tier, the step time, the verdict."""
+def plan_table(plan: MemoryPlan, tflops_flag: str = "--plan-tflops") -> str:
+    """The plan in a few lines: a header, one row per tier, the step time, the verdict.
+
+    Args:
+        plan: the plan.
+        tflops_flag: the flag of the program printing the table that gives the achieved
+            TFLOP/s (pretrain_gpt.py's ``--plan-tflops``, tools/plan_memory.py's
+            ``--target-tflops``): the hint names it where no TFLOP/s is known.
+
+    The verdict does not repeat the first refusal: the program prints that one as its
+    ``error:`` line (or its ``--no-plan-check`` warning) right after the table.
+    """
     shape, machine = plan.shape, plan.machine
     head = (f"memory plan ({plan.mode} mode, per rank of {shape.world_size} on {machine.name}"
             f"{f', {machine.ranks_per_node} per node' if machine.ranks_per_node > 1 else ''}; "
@@ -59,7 +69,7 @@ def plan_table(plan: MemoryPlan) -> str:
     if machine.gpu_total_bytes is not None:  # a CPU run's step time is not predicted
         flops = f"{shape.flops_per_iteration:.3g} FLOPs"
         tflops = f" at {machine.tflops:g} TFLOP/s per GPU" if machine.tflops else \
-            " (no TFLOP/s known: give --plan-tflops)"
+            f" (no TFLOP/s known: give {tflops_flag})"
         lines.append(f"  step: forward+backward {_seconds(plan.fwd_bwd_s)} ({flops}{tflops}), "
                      f"update I/O floor {_seconds(plan.io_floor_s)}, predicted "
                      f"{_seconds(plan.step_s)}")
@@ -72,9 +82,15 @@ def plan_table(plan: MemoryPlan) -> str:
                      + (f", {gb(free)} GB free there" if free is not None else ""))
     if machine.gpu_total_bytes is not None and (plan.mode == "offload" or plan.device_budget):
         lines.append(f"  device budget before the first step: {gb(plan.device_budget)} GB")
-    lines.append("  fits" if not plan.refusals else
-                 "  does not fit: " + "; ".join(plan.refusals))
+    lines.append(_verdict(plan.refusals))
     return "\n".join(lines)
+
+
+def _verdict(refusals: List[str]) -> str:
+    if not refusals:
+        return "  fits"
+    also = f"; also: {'; '.join(refusals[1:])}" if len(refusals) > 1 else ""
+    return f"  does not fit (why: the line below{also})"
 
 
 def plan_metrics(plan: MemoryPlan) -> Dict[str, float]:

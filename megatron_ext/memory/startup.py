@@ -57,6 +57,5 @@ def plan_before_start(cfg, runtime, vocab_size: int) -> MemoryPlan:
     if plan.refusals:
         if cfg.plan.plan_check:
             raise UsageError(f"memory plan: {plan.refusals[0]}")
-        log.warning("memory plan: %s (--no-plan-check: starting anyway)",
-                    "; ".join(plan.refusals))
+        log.warning("memory plan: %s (--no-plan-check: starting anyway)", plan.refusals[0])
     return plan

@@ -154,8 +154,13 @@ def open_rank(directory: str, rank: int, expect: dict, *, fingerprint: str,
                          f"({manifest_path} missing): it was saved with another world size "
                          "or without --offload-optimizer; use --no-load-optim to start the "
                          "optimizer fresh")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
+    with open(manifest_path, "rb") as f:
+        data = f.read()
+    why = check_manifest(data)
+    if why is not None:  # the integrity check says so first; a caller may not have run it
+        raise UsageError(f"{manifest_path}: offload manifest: {why}: the checkpoint is "
+                         "damaged; resume from an earlier one, or use --no-load-optim")
+    manifest = json.loads(data)
     for key, value in expect.items():
         if manifest.get(key) != value:
             raise UsageError(
@@ -213,8 +218,8 @@ def check_manifest(data: bytes) -> Optional[str]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) \
                 or entry.get("subgroup") != i or not isinstance(entry.get("elements"), int):
             return f"subgroup entry {i} is malformed"
-        if os.path.basename(entry["file"]) != entry["file"]:
-            return f"subgroup entry {i} names a file outside its directory"
+        if os.path.basename(entry["file"]) != entry["file"] or entry["file"] in ("", ".", ".."):
+            return f"subgroup entry {i} names {entry['file']!r}, a file outside its directory"
     return None
 
 

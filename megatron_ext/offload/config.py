@@ -113,7 +113,8 @@ class OffloadConfig:
     pipeline adds up to 12 bytes per element of one subgroup (gradient staging and an fp32
     scratch) and one state buffer; auto counts them. When the paths cannot hold every
     subgroup, the cache keeps those that do not fit, without a file, as long as three
-    buffers are left for the pipeline."""
+    buffers are left for the pipeline. 0: no host cache: every state lives in a file on
+    --offload-paths (needed) and host memory holds only the pipeline's three buffers."""
     offload_host_reserve_gb: Optional[float] = option(None, metavar="G")
     """With --offload-host-cache-gb auto: host memory, in GB per node, left free beyond
     what the engine takes (the page cache of the paths' I/O, data loaders, checkpoints,
@@ -272,14 +273,26 @@ class OffloadConfig:
         except (TypeError, ValueError):
             raise UsageError(f"--offload-host-cache-gb {value}: give a size in GB or auto") \
                 from None
-        if not number > 0 or number == float("inf"):
-            raise UsageError("--offload-host-cache-gb must be positive (a size in GB, or auto)")
+        if not number >= 0 or number == float("inf"):
+            raise UsageError(f"--offload-host-cache-gb {number:g}: give a size in GB (>= 0; 0 for "
+                             "no host cache, the states in files on --offload-paths) or auto")
         self.offload_host_cache_gb = number
 
     @property
     def host_cache_auto(self) -> bool:
         """Whether --offload-host-cache-gb is auto."""
         return self.offload_host_cache_gb == "auto"
+
+    @property
+    def no_host_cache(self) -> bool:
+        """Whether --offload-host-cache-gb is 0: the pipeline's buffers only, no cache."""
+        return not self.host_cache_auto and float(self.offload_host_cache_gb) == 0
+
+    def host_cache_bytes(self) -> Optional[int]:
+        """--offload-host-cache-gb in bytes; None for auto, 0 for no host cache."""
+        if self.host_cache_auto:
+            return None
+        return int(round(float(self.offload_host_cache_gb) * 1e9))
 
     @property
     def device_cache_auto(self) -> bool:

@@ -41,6 +41,24 @@ def path_reserve_bytes(subgroup_bytes: int) -> int:
     return PATH_SPARE_FILES * subgroup_bytes
 
 
+def host_cache_fixes(off) -> List[str]:
+    """What moves the offload engine's states out of host memory (its config ``off``).
+
+    The offload mode's own host fixes, and ZenFlow's when its CPU-side states live in the
+    engine's tiers.
+    """
+    if not off.offload_paths:
+        return ["--offload-paths DIR (a disk for the optimizer states) with a smaller "
+                "--offload-host-cache-gb"]
+    if off.host_cache_auto:
+        return ["a larger --offload-host-reserve-gb (host memory the cache leaves free), or "
+                "--offload-host-cache-gb 0 (every state in a file)"]
+    if not off.no_host_cache:
+        return ["a smaller --offload-host-cache-gb (0: every state in a file)"]
+    return ["a smaller --offload-subgroup-size (the pipeline's three host buffers are "
+            "subgroups)"]
+
+
 class OffloadMode(Mode):
     """The distributed optimizer's fp32 states in the offload engine's host cache and tiers."""
 
@@ -98,6 +116,10 @@ class OffloadMode(Mode):
                 f"{ms('lock_wait_bg_s'):.1f}, cache hits {record['offload/cache_hit_rate']:.0%}, "
                 f"io {record.get('offload/io_bytes', 0.0) / 1e9:.2f} GB")
 
+    def host_memory_fixes(self, cfg, on_cpu: bool) -> List[str]:
+        """The states out of the host cache and into files on the paths."""
+        return host_cache_fixes(cfg.offload)
+
     def measure_tiers(self, cfg, runtime) -> None:
         """The paths' bandwidths probed once, before the plan (``settle_path_speeds``)."""
         from megatron_ext.offload.optimizer import settle_path_speeds
@@ -138,8 +160,7 @@ class OffloadMode(Mode):
         states = TieredStates(
             elements=shape.shard_elements, arrays=arrays, subgroup_size=off.offload_subgroup_size,
             device_bytes=None if off.device_cache_auto else off.device_cache_bytes(),
-            host_bytes=(None if off.host_cache_auto
-                        else int(round(float(off.offload_host_cache_gb) * 1e9))),
+            host_bytes=off.host_cache_bytes(),
             path_reserve_bytes=path_reserve_bytes(buffer),
             place=path_placement(off.offload_placement))
         return MemoryNeeds(gpu=gpu, host=host, tiered=states,

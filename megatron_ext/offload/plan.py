@@ -191,6 +191,14 @@ class TierPlan:
                     f"{gb(3 * per_buffer - self.host.budget)} GB more host memory, lower "
                     "--offload-host-reserve-gb, or give a smaller --offload-subgroup-size")
             return min(n, fits)
+        if cfg.no_host_cache and n:
+            # No cache: the pipeline's buffers alone, every state in a file on the paths.
+            if not has_paths:
+                raise UsageError(
+                    f"--offload-host-cache-gb 0 keeps none of the {n} subgroups of rank "
+                    f"{self.rank} in host memory and there is no --offload-paths for them: "
+                    "give --offload-paths DIR, or a positive --offload-host-cache-gb (or auto)")
+            return min(n, 3)
         fits = int(round(cfg.offload_host_cache_gb * 1e9) // max(per_buffer, 1))
         size = f"{cfg.offload_host_cache_gb:g}"
         if not has_paths:
@@ -265,6 +273,8 @@ class TierPlan:
             host += (f" (auto: {self.host})" if self.host is not None
                      else " (auto: everything in host memory)" if not self.tiers
                      else " (auto: the pipeline's 3 on a CPU run)")
+        elif cfg.no_host_cache:
+            host += " (0: no cache, the pipeline's buffers only)"
         parts = [f"offload: rank {self.rank} tiers: {device}; {host}"]
         placed = self.tier_bytes()
         for i, tier in enumerate(self.tiers):

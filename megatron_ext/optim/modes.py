@@ -111,7 +111,8 @@ class TieredStates:
         subgroup_size: elements per subgroup (the unit of placement).
         device_bytes: bytes the device tier may take: None for auto (the plan's device
             budget), 0 for no device tier.
-        host_bytes: bytes of host memory for them: None for auto (what the host has left).
+        host_bytes: bytes of host memory for them: None for auto (what the host has left),
+            0 for no host cache (the pipeline's buffers only: every state on the paths).
         updates_per_iteration: how often they are all updated (1 every iteration; 1/S
             for a window of S iterations).
         overlaps_compute: whether their update runs beside forward and backward (ZenFlow's
@@ -298,6 +299,16 @@ class Mode:
         """
         return float(sum(megatron_state_bytes(cfg, shape)))
 
+    def host_memory_fixes(self, cfg, on_cpu: bool) -> List[str]:
+        """What lowers the host memory the mode takes, for a run that ran out of it.
+
+        Flags with a few words on what they move, each a tip of the out-of-memory line
+        (``try A, B, or C``); the loop adds those of no mode (data-loader workers, ranks per
+        node). ``on_cpu``: a CPU run, whose host memory is also its device's. The default:
+        none (the mode keeps nothing on the host).
+        """
+        return []
+
     def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
         """What the mode keeps where, for the memory plan made before the first step.
 
@@ -358,6 +369,19 @@ class PlainMode(Mode):
                              "and needs a GPU; on the CPU the optimizer states are already in "
                              "host memory")
         return build_megatron_optimizer(cfg, model_chunks)
+
+    def host_memory_fixes(self, cfg, on_cpu: bool) -> List[str]:
+        """megatron-core's host offload lowered; on the CPU, the states moved to a disk."""
+        fixes = []
+        if cfg.optimizer.optimizer_cpu_offload:
+            fixes.append("a lower --optimizer-offload-fraction (megatron-core's optimizer "
+                         "states on the host)")
+        if on_cpu:  # the states live in host memory: the offload engine puts them in files
+            flags = ("--offload-optimizer" if cfg.parallel.use_distributed_optimizer
+                     else "--use-distributed-optimizer --offload-optimizer")
+            fixes.append(f"{flags} --offload-paths DIR (the optimizer states in files on a "
+                         "disk)")
+        return fixes
 
     def memory_needs(self, cfg, shape, gpu_room: Optional[int] = None) -> MemoryNeeds:
         """States on the GPU; with --optimizer-cpu-offload, a fraction's moments on the host.

@@ -69,6 +69,28 @@ def read_process_env() -> tuple:
     return rank, world, local
 
 
+LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What every process of a job of several needs besides WORLD_SIZE (torchrun and srun, the
+latter through :func:`read_process_env`, set them)."""
+
+
+def check_launch_env(world: int) -> None:
+    """Refuses a job of several processes without its rank and rank 0's address.
+
+    Before any rendezvous: a WORLD_SIZE left in the environment of one process would
+    otherwise make it the store's host and wait for peers that never come, or try to
+    reach a store at no address.
+    """
+    missing = [name for name in LAUNCH_VARIABLES if not os.environ.get(name, "").strip()]
+    if world == 1 or not missing:
+        return
+    names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+    raise UsageError(f"WORLD_SIZE={world} without {names}: each of the {world} processes "
+                     "needs its RANK and the address of rank 0 (MASTER_ADDR, MASTER_PORT); "
+                     f"launch with torchrun (torchrun --nproc-per-node {world} ...) or srun, "
+                     "which set them, or unset WORLD_SIZE for a single process")
+
+
 def _env_int(name: str, default: int) -> int:
     """A launcher's integer variable (torchrun sets them; a script may set them wrong)."""
     value = os.environ.get(name, "").strip()
@@ -89,6 +111,7 @@ def initialize(cfg) -> Runtime:
     """
     mcore_compat.check_version()
     rank, world, local = read_process_env()
+    check_launch_env(world)
     dp = cfg.check_world(world)
     device = resolve_device(cfg.runtime.device)
     if device.type == "cpu":
@@ -179,10 +202,7 @@ def rendezvous(rank: int, world: int, timeout: datetime.timedelta):
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if world == 1 and not (addr and port):
         return torch.distributed.HashStore()
-    if not (addr and port):
-        raise UsageError(f"WORLD_SIZE={world} needs MASTER_ADDR and MASTER_PORT (the address "
-                         "of rank 0); launch with torchrun or srun, which set them, or unset "
-                         "WORLD_SIZE for a single process")
+    check_launch_env(world)
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"MASTER_PORT={port}: not a port number; give a free TCP port")
     by = launcher()

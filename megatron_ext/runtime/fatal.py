@@ -143,11 +143,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def describe(exc: BaseException, advice: Callable[[str], str] = lambda kind: "",
-             default_device: str = "cuda") -> str:
+             default_device: str = "cuda", interrupted: str = "") -> str:
     """The one line for ``exc`` (without ``error: ``).
 
     ``advice(kind)`` gives the flags that help for an out-of-memory of ``kind`` (``device``
-    or ``host``): the caller knows the run's config.
+    or ``host``), ``interrupted`` what a Ctrl-C leaves behind and how to stop otherwise:
+    the caller knows the run's config.
     """
     from megatron_ext.errors import UsageError
 
@@ -155,7 +156,8 @@ def describe(exc: BaseException, advice: Callable[[str], str] = lambda kind: "",
         return str(exc)
     phase = phase_of(exc)
     if isinstance(exc, KeyboardInterrupt):
-        return f"interrupted (Ctrl-C) while {phase}"
+        return f"interrupted (Ctrl-C) while {phase}" + (f": {interrupted}" if interrupted
+                                                        else "")
     kind = oom.classify(exc)
     if kind is not None:
         return oom.oom_line(oom.shortage_of(exc, kind, default_device), phase, advice(kind))
@@ -192,8 +194,10 @@ def _print_line(line: str, exc: Optional[BaseException] = None) -> None:
 
 
 def announce(exc: BaseException, advice: Callable[[str], str] = lambda kind: "",
-             default_device: str = "cuda") -> None:
+             default_device: str = "cuda", interrupted: str = "") -> None:
     """Reports ``exc`` once for the whole job (see the module's docstring); idempotent.
+
+    ``advice``, ``default_device`` and ``interrupted``: as :func:`describe` takes them.
 
     Where the ranks have met, the first rank to fail prints the line (after its traceback,
     for a bug) and then flags the store; another failing rank prints nothing and waits up
@@ -210,7 +214,7 @@ def announce(exc: BaseException, advice: Callable[[str], str] = lambda kind: "",
     if getattr(exc, PHASE_ATTR, None) is None:
         with contextlib.suppress(AttributeError, TypeError):
             setattr(exc, PHASE_ATTR, "starting up" if job is None else "running")
-    line = describe(exc, advice, default_device)
+    line = describe(exc, advice, default_device, interrupted)
     if job is None:
         _report_before_rendezvous(line, exc)
         return

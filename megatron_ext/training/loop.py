@@ -392,6 +392,20 @@ class Trainer(Steps):
             self.save_lock.release()
 
 
+def _interrupted(cfg, started: bool) -> str:
+    """What a Ctrl-C leaves (``started``: the trainer was built), and the signal that saves.
+
+    Ctrl-C raises where it lands, mid-step perhaps, in a state not fit to save; SIGTERM is
+    recorded and answered with a checkpoint at the next iteration (runtime/signals.py).
+    """
+    if not started:
+        return ""
+    if not cfg.checkpoint.save:
+        return ("nothing saved (no --save); with --save DIR, SIGTERM saves a checkpoint and "
+                "exits")
+    return "nothing saved since the last checkpoint; send SIGTERM to save a checkpoint and exit"
+
+
 def pretrain(cfg) -> int:
     """Trains a GPT as configured; returns the process exit status.
 
@@ -417,7 +431,8 @@ def pretrain(cfg) -> int:
             gc.collect()
         status = trainer.train()
     except BaseException as exc:
-        fatal.announce(exc, functools.partial(oom_advice, cfg))
+        fatal.announce(exc, functools.partial(oom_advice, cfg),
+                       interrupted=_interrupted(cfg, trainer is not None))
         if trainer is not None:
             fatal.bounded(trainer.close)
         raise

@@ -1,8 +1,10 @@
 """What to try when a run runs out of memory: the tail of its one-line error.
 
 :func:`oom_advice` names only the flags that would change something for this run (no
-``--offload-optimizer`` to a run that has it). :func:`plan_note` is the one place where the
-memory plan's estimate of the run joins the line.
+``--offload-optimizer`` to a run that has it). What lowers the host memory depends on the
+optimizer mode, which says it (``Mode.host_memory_fixes``); the data loaders and the ranks
+per node are every run's. :func:`plan_note` is the one place where the memory plan's
+estimate of the run joins the line.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ def plan_note(cfg, kind: str) -> str:
     Empty until it is wired.
     """
     return ""
+
+
+def _on_cpu(cfg) -> bool:
+    """Whether the run trains on the CPU (its host memory is its device's too)."""
+    if cfg.runtime.device != "auto":
+        return cfg.runtime.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _either(tips) -> str:
@@ -39,8 +50,10 @@ def oom_advice(cfg, kind: str) -> str:
         if cfg.parallel.tensor_model_parallel_size == 1:
             tips.append("--tensor-model-parallel-size 2 or more")
     else:
-        if cfg.offload.offload_optimizer:
-            tips.append("a smaller --offload-host-cache-gb with --offload-paths on a disk")
+        on_cpu = _on_cpu(cfg)
+        tips += mode_of(cfg).host_memory_fixes(cfg, on_cpu)
+        if on_cpu and cfg.training.micro_batch_size > 1:  # the activations are the host's
+            tips.append("a smaller --micro-batch-size")
         if cfg.data.num_workers > 0:
             tips.append("fewer --num-workers")
         tips.append("fewer ranks per node")

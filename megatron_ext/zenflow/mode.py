@@ -10,7 +10,7 @@ engine's host cache and tiers.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 from megatron_ext.optim.modes import (
     MemoryNeeds,
@@ -140,8 +140,7 @@ class ZenFlowMode(Mode):
             interval = zen.zenflow_update_interval
             tiered = TieredStates(
                 elements=delayed, arrays=arrays, subgroup_size=off.offload_subgroup_size,
-                host_bytes=(None if off.host_cache_auto
-                            else int(round(float(off.offload_host_cache_gb) * 1e9))),
+                host_bytes=off.host_cache_bytes(),
                 updates_per_iteration=1.0 / (int(interval) if interval.isdigit() else 4),
                 overlaps_compute=True,
                 path_reserve_bytes=path_reserve_bytes(
@@ -162,6 +161,22 @@ class ZenFlowMode(Mode):
         return MemoryNeeds(gpu=gpu, host=host, tiered=tiered, host_fix=host_fix,
                            gpu_fix="lower --zenflow-topk-ratio, or "
                                    "--zenflow-accumulate host", host_reserve=True)
+
+    def host_memory_fixes(self, cfg, on_cpu: bool) -> List[str]:
+        """The CPU side's states on a disk, its accumulators on the GPU, fewer columns."""
+        zen, off = cfg.zenflow, cfg.offload
+        if zen.zenflow_cpu_states == "tiers" and off.offload_optimizer:
+            from megatron_ext.offload.mode import host_cache_fixes
+
+            fixes = host_cache_fixes(off)
+        else:  # in host memory, or the engine's host cache without files (refit)
+            fixes = ["--offload-optimizer --offload-paths DIR (ZenFlow's CPU-side states in "
+                     "the offload tiers, on a disk)"]
+        if not on_cpu and zen.zenflow_accumulate != "device":
+            fixes.append("--zenflow-accumulate device (the delayed gradients summed on the GPU)")
+        if zen.zenflow_topk_ratio < 1:
+            fixes.append("a larger --zenflow-topk-ratio (fewer columns on the CPU side)")
+        return fixes
 
     def refit(self, cfg, plan):
         """Host states that do not fit move to the offload engine's host cache (auto only).

@@ -162,8 +162,10 @@ FLAG_CASES = {
                              "--tensor-model-parallel-size must be positive, got 0"),
     "query groups zero": (lambda d: MOCK + ["--group-query-attention", "--num-query-groups", "0"],
                           "--num-query-groups must be positive, got 0"),
-    "offload host cache zero": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "0"],
-                                "--offload-host-cache-gb must be positive"),
+    "offload host cache negative": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "-1"],
+                                    "--offload-host-cache-gb -1: give a size in GB (>= 0; 0 "
+                                    "for no host cache, the states in files on "
+                                    "--offload-paths) or auto"),
     "offload host cache inf": (lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "inf"],
                                "--offload-host-cache-gb inf: must be a finite number"),
     "offload subgroup size zero": (lambda d: MOCK + OFFLOAD + ["--offload-subgroup-size", "0"],
@@ -394,7 +396,9 @@ def test_bad_flags_give_one_line(flag_dir, capsys, case):
 # layout is checked before the rendezvous) and the launcher's variables. These run in this
 # process too, through the real pretrain(): the guard below fails a case that gets past the
 # checks before anything global (the CPU layer, a process group) is set up.
-TWO_RANKS = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+# Rank 0 of two as a launcher sets it (the cases fail before any rendezvous).
+TWO_RANKS = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29500"}
 
 LAUNCH_CASES = {
     # (env, expected, argv after BASE)
@@ -413,6 +417,15 @@ LAUNCH_CASES = {
     "world size not a number": ({"WORLD_SIZE": "two"}, "WORLD_SIZE=two: not an integer", MOCK),
     "rank outside the world": ({"WORLD_SIZE": "2", "RANK": "2"},
                                "RANK=2 WORLD_SIZE=2: the rank must be in [0, WORLD_SIZE)", MOCK),
+    "world size without a launcher": (
+        {"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without RANK, MASTER_ADDR and MASTER_PORT: each of "
+                             "the 2 processes needs its RANK and the address of rank 0", MOCK),
+    "world size and rank without an address": (
+        {"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT: ",
+        MOCK),
+    "world size and an address without a rank": (
+        {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        "WORLD_SIZE=4 without RANK: each of the 4 processes", MOCK),
     "heads not divisible by TP": (
         TWO_RANKS, "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2",
         MOCK + ["--hidden-size", "48", "--num-attention-heads", "3",
@@ -554,6 +567,10 @@ CASES = {
         lambda d: MOCK + OFFLOAD + ["--offload-paths", f"{d}@1,1", "--offload-subgroup-size",
                                     "10000", "--offload-host-cache-gb", "0.0001"],
         "the pipeline needs 3"),
+    "offload no host cache and no paths": (
+        lambda d: MOCK + OFFLOAD + ["--offload-host-cache-gb", "0"],
+        "in host memory and there is no --offload-paths for them: give --offload-paths DIR, "
+        "or a positive --offload-host-cache-gb (or auto)"),
     "offload directory a planted symlink": (
         lambda d: MOCK + OFFLOAD + ["--offload-paths", _planted_offload_path(d) + "@1,1"],
         "is a symlink: refusing to follow it"),

@@ -1,23 +1,24 @@
 """The tools' bad input: one ``error:`` line each, exit status 2, no traceback.
 
-The tools write progress lines to stderr too, so the check is the one tests/tools makes:
-exactly one line starting ``error: `` (the last one), holding the expected fragment. The
-cases run in this process through each tool's own entry point (``run_tool(main, argv)``, as
-its ``__main__`` does); a few run as processes, so the real process path is proven. The
-tools' own suites (tests/tools) cover more of their errors; this table adds the rest.
+The check is mext_testing.assert_one_error_line: stderr is the one ``error: `` line, with
+the expected fragment, also where the bad input is found once the tool has begun its work
+(tools/_common.py holds its start lines back until the work is under way). The cases run
+in this process through each tool's own entry point (``run_tool(main, argv)``, as its
+``__main__`` does); some run as processes, so the real process path is proven. The tools'
+own suites (tests/tools) cover more of their errors; this table adds the rest.
 """
-
 from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from mext_testing import ROOT
+from mext_testing import ROOT, TINY, assert_one_error_line, write_indexed_dataset
 
 TOOLS = os.path.join(str(ROOT), "tools")
 if TOOLS not in sys.path:
@@ -31,6 +32,9 @@ CASES = {
     "build_corpus negative seed": (
         "build_corpus", ["--output", "{t}/c.jsonl", "--seed", "-1"],
         "argument --seed: must be >= 0, got -1"),
+    "build_corpus of files with no text": (
+        "build_corpus", ["--output", "{t}/c.jsonl", "--files", "{t}/blank.py"],
+        "no documents found for --kind files in {t}/blank.py"),
     "build_corpus output under a file": (
         "build_corpus", ["--output", "{t}/afile/c.jsonl", "--max-docs", "1"],
         "cannot create output directory {t}/afile: {t}/afile is a file, not a directory"),
@@ -48,6 +52,17 @@ CASES = {
     "convert_checkpoint config.json without a model type": (
         "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/ck"],
         "--input {t}/bare_config: unsupported config.json"),
+    "convert_checkpoint save under a file": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save",
+                               "{t}/afile/ck"],
+        "--save {t}/afile/ck: {t}/afile is a file, so the directory cannot be created there; "
+        "give another path"),
+    "convert_checkpoint save that is a file": (
+        "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/afile"],
+        "--save {t}/afile: is a file; give a directory"),
+    "convert_checkpoint output under a file": (
+        "convert_checkpoint", ["--to", "hf", "--load", "{t}", "--output", "{t}/afile/hf"],
+        "--output {t}/afile/hf: {t}/afile is a file, so the directory cannot be created"),
     "convert_checkpoint vocabulary padding zero": (
         "convert_checkpoint", ["--from", "hf", "--input", "{t}/bare_config", "--save", "{t}/ck",
                                "--make-vocab-size-divisible-by", "0"],
@@ -87,6 +102,9 @@ CASES = {
         "probe_tiers", [], "the following arguments are required: DIR"),
     "probe_tiers zero threads": (
         "probe_tiers", ["{t}", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    "probe_tiers json under a file": (
+        "probe_tiers", ["{t}", "--size-mb", "1", "--repeat", "1", "--json", "{t}/afile/p.json"],
+        "cannot create output directory {t}/afile: {t}/afile is a file, not a directory"),
     "train_tokenizer coverage zero": (
         "train_tokenizer", ["--input", "{t}/plain.txt", "--output-prefix", "{t}/tok",
                             "--character-coverage", "0"],
@@ -182,8 +200,33 @@ CASES = {
         "{t}/afile is a file, not a directory"),
 }
 
-# Run as processes too: one tool without torch, one with it.
-PROCESS_CASES = ["build_corpus output under a file", "preprocess_data of plain text read as jsonl"]
+# Bad input a tool finds once it has said what it starts to do (the first input line, the
+# output path, the checkpoint's files), run as processes: its error line must be all it
+# prints on stderr, without that start line (or the trainer's start-up log). {ckpt}: a
+# tiny run's checkpoint (NullTokenizer); {damaged}: a copy with a file cut short.
+PROCESS_ONLY = {
+    "evaluate a damaged checkpoint": (
+        "evaluate", ["--load", "{damaged}", "--data-path", "{t}/tokens", "--eval-iters", "1",
+                     "--split", "0,100,0"],
+        "__0_0.distcp: 100 bytes"),
+    "generate a damaged checkpoint": (
+        "generate", ["--load", "{damaged}", "--prompt", "1 2"], "__0_0.distcp: 100 bytes"),
+    "convert_checkpoint a damaged checkpoint": (
+        "convert_checkpoint", ["--to", "hf", "--load", "{damaged}", "--output", "{t}/hf"],
+        "__0_0.distcp: 100 bytes"),
+    "generate a null tokenizer prompt of words": (
+        "generate", ["--load", "{ckpt}", "--prompt", "hello world"],
+        "--prompt 'hello world': 'hello' is not a token id: NullTokenizer reads text as "
+        "space-separated token ids (e.g. --prompt '1 2 3')"),
+    "generate a token id outside the vocabulary": (
+        "generate", ["--load", "{ckpt}", "--prompt", "1 99999"],
+        "--prompt: token id 99999 is outside the vocabulary of "),
+}
+# Run as processes too: tools without torch and with it, and those above.
+PROCESS_CASES = ["build_corpus output under a file", "build_corpus of files with no text",
+                 "preprocess_data of plain text read as jsonl",
+                 "train_tokenizer on empty documents", "probe_tiers json under a file",
+                 *PROCESS_ONLY]
 
 
 @pytest.fixture(scope="module")
@@ -201,16 +244,13 @@ def inputs(tmp_path_factory):
     (t / "texts.jsonl").write_text('{"text": "1 2 3"}\n')
     (t / "broken.json").write_text("{not json")
     (t / "metrics.jsonl").write_text('{"iteration": 1, "lm_loss": 5.0}\n')
+    (t / "blank.py").write_text("\n")
+    write_indexed_dataset(t / "tokens", [list(range(1, 100))] * 20)
     return t
 
 
 def _check(status, stdout: str, stderr: str, expected: str) -> None:
-    assert status == 2, f"exit status {status}\n{stdout}{stderr}"
-    assert "Traceback" not in stdout + stderr, stdout + stderr
-    lines = stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error: ")]
-    assert len(errors) == 1 and lines[-1] == errors[0], stderr
-    assert expected in errors[0], f"{expected!r} not in {errors[0]!r}"
+    assert_one_error_line(status, stdout, stderr, expected)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -230,10 +270,34 @@ def test_bad_tool_input_gives_one_line(inputs, capsys, case):
     _check(status, out, err, expected.replace("{t}", str(inputs)))
 
 
+@pytest.fixture(scope="module")
+def checkpoint(run_cache):
+    """A tiny run's checkpoint (once a session; the tests only read it)."""
+    return run_cache.run([*TINY, "--train-iters", "2", "--save", "{run}/ckpt"]).directory / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def damaged(checkpoint, tmp_path_factory):
+    """A copy of :func:`checkpoint` with a file cut short: found when the trainer, built,
+    loads it."""
+    copy = tmp_path_factory.mktemp("damaged") / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    os.truncate(copy / "iter_0000002" / "__0_0.distcp", 100)
+    return copy
+
+
 @pytest.mark.parametrize("case", PROCESS_CASES)
-def test_bad_tool_input_in_a_process(inputs, case):
-    tool, argv, expected = CASES[case]
+def test_bad_tool_input_in_a_process(inputs, request, case):
+    tool, argv, expected = {**CASES, **PROCESS_ONLY}[case]
+
+    def fill(text: str) -> str:
+        for name in ("ckpt", "damaged"):
+            if f"{{{name}}}" in text:
+                fixture = "checkpoint" if name == "ckpt" else name
+                text = text.replace(f"{{{name}}}", str(request.getfixturevalue(fixture)))
+        return text.replace("{t}", str(inputs))
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, f"{tool}.py"),
-                           *[a.replace("{t}", str(inputs)) for a in argv]], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    _check(proc.returncode, proc.stdout, proc.stderr, expected.replace("{t}", str(inputs)))
+                           *[fill(a) for a in argv]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    _check(proc.returncode, proc.stdout, proc.stderr, fill(expected))
+

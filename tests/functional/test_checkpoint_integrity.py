@@ -174,7 +174,32 @@ OFFLOAD_MANIFEST_DAMAGES = {
     "short subgroup list": (lambda p: _rewrite_manifest(p, lambda m: m["subgroups"].pop()),
                             "lists 3 subgroups, the directory holds 4"),
     "missing step": (lambda p: _rewrite_manifest(p, lambda m: m.pop("step")), "'step' missing"),
+    "a file outside its directory": (
+        lambda p: _rewrite_manifest(p, lambda m: m["subgroups"][0].update(file="../../etc/passwd")),
+        "offload manifest: subgroup entry 0 names '../../etc/passwd', a file outside its "
+        "directory"),
 }
+
+
+@pytest.mark.parametrize("entry", ["../../etc/passwd", "/etc/passwd", "offload/../../x"])
+def test_an_integrity_manifest_entry_outside_the_checkpoint_is_named(saved, tmp_path, entry):
+    """The line names the manifest and the entry, and nothing outside is read."""
+    root = copy_of(saved, tmp_path)
+    ck = root / "iter_0000004"
+    _rewrite_manifest(ck / integrity.MANIFEST,
+                      lambda m: m["files"].update({entry: {"size": 1, "xxh3": "0"}}))
+    read = []
+    real = integrity.file_digest
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(integrity, "file_digest", lambda path: read.append(path) or real(path))
+        with pytest.raises(UsageError) as info:
+            integrity.verify(str(ck))
+    line = one_line(info.value)
+    assert line.startswith(f"--load {ck}: {ck / integrity.MANIFEST}: integrity manifest lists "
+                           f"{entry!r}, a path outside the checkpoint's directory: the "
+                           "checkpoint is damaged; "), line
+    # (the previous checkpoint's files are read for the advice)
+    assert all(os.path.realpath(path).startswith(f"{root}{os.sep}") for path in read), read
 
 
 @pytest.mark.parametrize("damage", sorted(OFFLOAD_MANIFEST_DAMAGES))

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mext_testing import BF16, PRETRAIN, ROOT, TINY, free_port, test_env
+from mext_testing import BF16, PRETRAIN, ROOT, TINY, assert_one_error_line, free_port, test_env
 
 pytestmark = pytest.mark.cpu
 
@@ -118,6 +118,20 @@ PLACES = {
     "host oom in a worker": ("data:4:host-oom", [],
                              "error: out of memory on the host while loading data (asked 3.00 "
                              "GiB, "),
+    # Host remedies, the mode's (Mode.host_memory_fixes): on the CPU the plain optimizer's
+    # states are in host memory; the offload run has paths and a host cache of a size.
+    "host oom plain": ("optimizer:4:host-oom", [],
+                       "): try --use-distributed-optimizer --offload-optimizer --offload-paths "
+                       "DIR (the optimizer states in files on a disk), a smaller "
+                       "--micro-batch-size, fewer --num-workers, or fewer ranks per node"),
+    "host oom offload": ("optimizer:4:host-oom", OFFLOAD,
+                         "): try a smaller --offload-host-cache-gb (0: every state in a file), "
+                         "a smaller --micro-batch-size, fewer --num-workers, or fewer ranks per "
+                         "node"),
+    "host oom zenflow": ("zenflow-worker:4:host-oom", ZENFLOW,
+                         "): try --offload-optimizer --offload-paths DIR (ZenFlow's CPU-side "
+                         "states in the offload tiers, on a disk), a larger "
+                         "--zenflow-topk-ratio (fewer columns on the CPU side)"),
 }
 
 
@@ -232,8 +246,23 @@ def test_world_size_without_master_addr():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert [line for line in out.splitlines() if line.startswith("error:")] == [
-        "error: WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT (the address of rank 0); launch "
-        "with torchrun or srun, which set them, or unset WORLD_SIZE for a single process"], out
+        "error: WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT: each of the 2 processes needs "
+        "its RANK and the address of rank 0 (MASTER_ADDR, MASTER_PORT); launch with torchrun "
+        "(torchrun --nproc-per-node 2 ...) or srun, which set them, or unset WORLD_SIZE for a "
+        "single process"], out
+
+
+def test_world_size_alone_fails_in_one_line_at_once():
+    """WORLD_SIZE=2 and nothing else of a launcher: one line on stderr, before any
+    rendezvous (no store, no torch.distributed warning), in the time of the imports."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, PRETRAIN, *START, "--global-batch-size", "8"], cwd=ROOT,
+                          env=test_env({"WORLD_SIZE": "2"}), capture_output=True, text=True,
+                          timeout=120)
+    assert time.monotonic() - start < 30
+    assert_one_error_line(proc.returncode, proc.stdout, proc.stderr,
+                          "WORLD_SIZE=2 without RANK, MASTER_ADDR and MASTER_PORT: ")
+    assert "torchrun --nproc-per-node 2" in proc.stderr and "srun" in proc.stderr
 
 
 @pytest.mark.distributed

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -118,6 +119,31 @@ def test_fp16_offload_matches_plain_optimizer(tmp_path, run_cache, baseline):
     run = shared_offload(run_cache, tmp_path, [*precision_flags("fp16"),
                                                *path_flags(tmp_path, 2)])
     assert run.losses == baseline("fp16")
+
+
+def test_no_host_cache_keeps_the_states_in_files_and_the_losses(tmp_path, run_cache):
+    """--offload-host-cache-gb 0: the host holds the pipeline's three buffers only, every
+    subgroup lives in a file on the path, and the run is the default cache's, bitwise."""
+    (tmp_path / "tier0").mkdir()
+    flags = [*BF16, "--offload-paths", f"{tmp_path / 'tier0'}@1,1", "--offload-subgroup-size",
+             "10000"]
+    default = shared_offload(run_cache, tmp_path, flags).losses
+    out = tmp_path / "nocache.jsonl"
+    proc = launch([*BASE, "--offload-optimizer", *flags, "--offload-host-cache-gb", "0",
+                   "--metrics-path", str(out)])
+    files = set()
+    while proc.poll() is None:  # the run's files are removed at its end: look meanwhile
+        files |= {p.name for p in (tmp_path / "tier0").rglob("sg*.state")}
+        time.sleep(0.02)
+    text = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, text[-3000:]
+    assert files == {f"sg{i:05d}.state" for i in range(12)}, files
+    assert "(0: no cache, the pipeline's buffers only)" in text
+    records = read_metrics(out)
+    assert losses_of(records) == default
+    last = [r for r in records if "offload/cache_hit_rate" in r][-1]
+    assert last["offload/host_cache_subgroups"] == 3 and last["offload/host_only_subgroups"] == 0
+    assert last["offload/path0_subgroups"] == 12 and last["offload/io_bytes"] > 0
 
 
 def test_files_follow_the_bandwidth_proportion(tmp_path):

@@ -77,6 +77,16 @@ def test_the_tool_refuses_a_plain_run_too_big_for_the_gpu_in_one_line():
     assert out.stderr.strip().endswith("150 GB free: add --offload-optimizer")
 
 
+def test_the_tool_says_the_refusal_once_and_hints_its_own_tflops_flag():
+    out = tool([*SHAPES["16.52B"], *[a for a in H200 if a not in ("--target-tflops", "590")]])
+    assert out.returncode == 2
+    assert "(no TFLOP/s known: give --target-tflops)" in out.stdout
+    assert "--plan-tflops" not in out.stdout + out.stderr
+    reason = out.stderr.strip().removeprefix("error: memory plan: ")
+    assert (out.stdout + out.stderr).count(reason) == 1, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "  does not fit (why: the line below)"
+
+
 def test_the_tool_needs_a_target_and_matching_paths():
     out = tool(SHAPES["12.76B"])
     assert out.returncode == 2 and out.stderr.startswith("error: give the target machine")
@@ -103,6 +113,8 @@ def test_a_run_that_cannot_fit_is_refused_before_the_first_step(tmp_path, flags,
     errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: memory plan: "), out.stdout[-3000:]
     assert fragment in errors[0]
+    # The table before it does not say the reason again.
+    assert out.stdout.count(errors[0].removeprefix("error: memory plan: ")) == 1
     assert "Traceback" not in out.stdout
     # Before the datasets and the model are built, let alone a step.
     assert "building the datasets" not in out.stdout and "iteration" not in out.stdout

@@ -293,7 +293,8 @@ def test_text_the_tokenizer_cannot_encode_is_a_line_error(tmp_path):
     common = ["--input", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", 100]
     run = run_tool("preprocess_data.py", *common, "--output-prefix", tmp_path / "fail")
     assert_usage_error(run, "data.jsonl:2: the tokenizer cannot encode this text "
-                            "(ValueError: invalid literal for int()")
+                            "(ValueError: 'x' is not a token id: NullTokenizer reads text as "
+                            "space-separated token ids)")
     assert "Traceback" not in run.stderr
     assert _outputs(tmp_path / "fail") == []
     run = run_tool("preprocess_data.py", *common, "--output-prefix", tmp_path / "skip",

@@ -47,11 +47,22 @@ GOOD = {"step": 3, "rank": 0, "subgroups": [{"subgroup": 0, "elements": 4, "file
     (json.dumps({**GOOD, "subgroups": [{"subgroup": 1, "elements": 4, "file": "x"}]}).encode(),
      "subgroup entry 0 is malformed"),
     (json.dumps({**GOOD, "subgroups": [{"subgroup": 0, "elements": 4, "file": "../x"}]}).encode(),
-     "outside its directory"),
+     "subgroup entry 0 names '../x', a file outside its directory"),
+    (json.dumps({**GOOD, "subgroups": [{"subgroup": 0, "elements": 4, "file": ".."}]}).encode(),
+     "subgroup entry 0 names '..', a file outside its directory"),
 ])
 def test_check_offload_manifest(data, problem):
     found = check_manifest(data)
     assert (found is None) if problem is None else (problem in found), found
+
+
+@pytest.mark.parametrize("name, inside", [
+    ("common.pt", True), ("offload/rank00000/sg00001.state", True), ("../../etc/passwd", False),
+    ("/etc/passwd", False), ("a/../../b", False), ("a/../b", False), ("..", False), ("", False),
+    ("./a", False),
+])
+def test_a_manifest_names_files_inside_its_checkpoint(name, inside):
+    assert integrity.inside(name) is inside
 
 
 def test_settings_from_our_config_and_from_megatron_args():

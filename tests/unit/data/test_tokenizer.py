@@ -229,6 +229,12 @@ def test_null_tokenizer_vocab_as_megatron_lm_at_each_tag(includes_eod, vocab, eo
     assert tok.tokenize("3 1 4") == [3, 1, 4] and tok.detokenize([3, 1, 4]) == "3 1 4"
 
 
+def test_null_tokenizer_names_a_word_that_is_not_an_id():
+    with pytest.raises(ValueError, match="^'hello' is not a token id: NullTokenizer reads text "
+                                         "as space-separated token ids$"):
+        tk.NullTokenizer(100).tokenize("1 hello 2")
+
+
 def test_null_tokenizer_follows_the_installed_megatron_core():
     from megatron_ext.runtime.mcore_compat import installed_version, null_vocab_includes_eod
 

@@ -115,6 +115,24 @@ def test_offload_host_cache_too_small_for_the_pipeline():
                     "give at least 3 GB or a smaller --offload-subgroup-size")
 
 
+def test_no_host_cache_needs_paths():
+    flags = [*BIG, "--offload-optimizer", "--offload-host-cache-gb", "0"]
+    line = one_line(plan(flags).refusals[0])
+    assert line.startswith("--offload-host-cache-gb 0 keeps none of the optimizer states (")
+    assert line.endswith("GB) in host memory and there is no --offload-paths for them: give "
+                         "--offload-paths DIR, or a positive --offload-host-cache-gb (or auto)")
+    p = plan(flags, paths=["600@1,1"], offload_paths=["/nvme"])
+    assert p.refusals == []
+    # The pipeline's three buffers of 1 GB in host memory, every other state on the path.
+    assert p.host.subgroups == 3 and p.host_subgroups == 0
+    assert p.host_cache_bytes == 3 * p.subgroup_bytes
+    # The same as the pipeline's minimum given as a size: 91 on the path, 75 on the GPU.
+    three = plan([*BIG, "--offload-optimizer", "--offload-host-cache-gb", "3"],
+                 paths=["600@1,1"], offload_paths=["/nvme"])
+    assert (p.paths[0].subgroups, p.device_subgroups) == (three.paths[0].subgroups,
+                                                          three.device_subgroups) == (91, 75)
+
+
 def test_zenflow_cpu_states_too_big_for_the_host_name_offload_paths():
     p = plan([*MID, "--zenflow", "--zenflow-accumulate", "host"])
     assert p.mode == "zenflow"

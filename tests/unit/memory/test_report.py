@@ -37,6 +37,28 @@ def test_table_has_a_row_per_tier_the_step_and_the_verdict():
     assert lines[-1] == "  fits"
 
 
+def test_the_tflops_hint_names_the_flag_of_the_program_that_prints_it():
+    cfg = parse_config(FLAGS)
+    cfg.check_world(1)
+    cfg.offload.offload_paths = ["/nvme"]
+    plan = plan_run(cfg, 32001, 1, target_machine(150.1, 80, ["60@1.37,1.80"], None))
+    assert "(no TFLOP/s known: give --plan-tflops)" in plan_table(plan)
+    text = plan_table(plan, tflops_flag="--target-tflops")
+    assert "(no TFLOP/s known: give --target-tflops)" in text
+    assert "--plan-tflops" not in text
+
+
+def test_a_refusal_is_not_repeated_by_the_verdict():
+    """The program prints the first refusal as its error line after the table: the table's
+    verdict names only the others."""
+    plan = the_plan()
+    plan.refusals = ["first reason", "second reason"]
+    assert plan_table(plan).splitlines()[-1] == ("  does not fit (why: the line below; also: "
+                                                 "second reason)")
+    plan.refusals = ["first reason"]
+    assert plan_table(plan).splitlines()[-1] == "  does not fit (why: the line below)"
+
+
 def test_metrics_give_bytes_and_subgroups_per_tier():
     plan = the_plan()
     record = plan_metrics(plan)

@@ -104,6 +104,20 @@ def test_open_rank_checks_the_run_against_the_manifest(saved, rank, expect, fing
             checkpoint.open_rank(str(directory), rank, expect, **args)
 
 
+def test_open_rank_refuses_a_manifest_naming_a_file_outside_its_directory(saved):
+    directory, _ = saved
+    path = directory / "rank00000" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["subgroups"][1]["file"] = "../../etc/passwd"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(UsageError) as info:
+        checkpoint.open_rank(str(directory), 0, {}, fingerprint=manifest["fingerprint"],
+                             layout=StateLayout.from_names("fp32", "fp32", "fp32"),
+                             cfg=OffloadConfig())
+    assert str(info.value).startswith(f"{path}: offload manifest: subgroup entry 1 names "
+                                      "'../../etc/passwd', a file outside its directory: ")
+
+
 def test_a_damaged_or_stale_state_file_is_refused_on_load(tmp_path, saved):
     directory, _ = saved
     eng = engine(tmp_path / "other", [torch.zeros(n) for n in NUMELS],
@@ -139,7 +153,7 @@ GOOD = {"step": 3, "rank": 0, "subgroups": [{"subgroup": 0, "elements": 4, "file
     (json.dumps({**GOOD, "subgroups": [{"subgroup": 0, "elements": "4", "file": "x"}]}).encode(),
      "subgroup entry 0 is malformed"),
     (json.dumps({**GOOD, "subgroups": [{"subgroup": 0, "elements": 4, "file": "/x"}]}).encode(),
-     "names a file outside its directory"),
+     "subgroup entry 0 names '/x', a file outside its directory"),
 ])
 def test_check_manifest(data, problem):
     found = checkpoint.check_manifest(data)

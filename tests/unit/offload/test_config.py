@@ -29,7 +29,8 @@ OFFLOAD = [*BASE, "--offload-optimizer"]
     ([*OFFLOAD, "--zenflow", "--offload-device-cache-gb", "1"], "--zenflow keeps its own"),
     ([*BASE, "--no-store-param-remainders"], "needs --offload-optimizer"),
     ([*OFFLOAD, "--offload-host-cache-gb", "lots"], "give a size in GB or auto"),
-    ([*OFFLOAD, "--offload-host-cache-gb", "0"], "must be positive"),
+    ([*OFFLOAD, "--offload-host-cache-gb", "-1"],
+     r"--offload-host-cache-gb -1: give a size in GB \(>= 0; 0 for no host cache"),
     ([*OFFLOAD, "--offload-host-reserve-gb", "-1"], "must be >= 0"),
     ([*BASE, "--offload-host-cache-gb", "auto", "--offload-host-reserve-gb", "1"],
      "--offload-host-reserve-gb needs --offload-optimizer"),
@@ -73,6 +74,7 @@ def test_store_param_remainders_is_on_by_default(extra, stored):
     ([*OFFLOAD, "--offload-host-cache-gb", "auto"], "auto"),
     ([*OFFLOAD, "--offload-host-cache-gb", "AUTO"], "auto"),
     ([*OFFLOAD, "--offload-host-cache-gb", "2.5"], 2.5),
+    ([*OFFLOAD, "--offload-host-cache-gb", "0"], 0.0),  # no host cache (needs paths: the plan)
 ])
 def test_host_cache_is_auto_or_a_size(argv, cache):
     cfg = parse_config(argv)

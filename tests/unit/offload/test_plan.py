@@ -40,6 +40,7 @@ def make_plan(tiers, cache_subgroups=None, **extra):
     (None, 1, 3),     # the pipeline's three buffers
     (5, 1, 5),
     (8, 0, None),     # all eight fit: no budget needed
+    (0, 1, 3),        # no cache: the pipeline's three buffers, every state in a file
 ])
 def test_cache_capacity(tmp_path, cache, n_paths, capacity):
     plan = make_plan(paths(tmp_path, [1.0] * n_paths), cache)
@@ -49,10 +50,20 @@ def test_cache_capacity(tmp_path, cache, n_paths, capacity):
 @pytest.mark.parametrize("cache, n_paths, message", [
     (2, 1, "the pipeline needs 3"),
     (7, 0, "holds 7 of the 8 subgroups of this rank and there is no --offload-paths"),
+    (0, 0, "--offload-host-cache-gb 0 keeps none of the 8 subgroups of rank 0 in host memory "
+           "and there is no --offload-paths for them: give --offload-paths DIR, or a positive "
+           "--offload-host-cache-gb"),
 ])
 def test_a_host_cache_too_small_is_one_clear_error(tmp_path, cache, n_paths, message):
     with pytest.raises(UsageError, match=message):
         make_plan(paths(tmp_path, [1.0] * n_paths), cache)
+
+
+def test_no_host_cache_puts_every_state_in_a_file(tmp_path):
+    plan = make_plan(paths(tmp_path, [1.0]), 0)
+    assert plan.resident == frozenset() and plan.host_only() == 0
+    assert plan.home == [0] * len(SIZES)
+    assert "(0: no cache, the pipeline's buffers only)" in plan.describe()
 
 
 def test_placement_is_proportional_to_bandwidth_and_interleaved(tmp_path):

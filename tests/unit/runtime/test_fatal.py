@@ -33,6 +33,8 @@ def test_describe():
         "try the device flags")
     assert fatal.describe(UsageError("--lr nan: must be finite")) == "--lr nan: must be finite"
     assert fatal.describe(KeyboardInterrupt()) == "interrupted (Ctrl-C) while running"
+    assert fatal.describe(KeyboardInterrupt(), interrupted="nothing saved") == (
+        "interrupted (Ctrl-C) while running: nothing saved")
 
 
 def test_worker_error_names_the_worker_s_line():
