@@ -353,7 +353,7 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
             f"{gb(plan.host.capacity)} GB available{_bound(machine)}{kept}: "
             f"{needs.host_fix or _host_fix(machine)}")
     if needs.tiered is not None:
-        host_room = (plan.host.capacity - plan.host_view().used
+        host_room = (plan.host.capacity - host.used
                      - _host_reserve(cfg, machine.host_available_bytes,
                                      machine.ranks_per_node))
         refusal = _place_tiered(plan, needs.tiered, host_room)

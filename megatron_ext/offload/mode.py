@@ -7,7 +7,6 @@ imported inside :meth:`OffloadMode.build`.
 
 from __future__ import annotations
 
-
 from typing import Dict, List, Optional, Tuple
 
 from megatron_ext.optim.modes import (

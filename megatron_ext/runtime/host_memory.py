@@ -17,7 +17,8 @@ import os
 import resource
 from typing import List, Optional, Tuple
 
-__all__ = ["HostAvailable", "host_available", "cgroup_room", "address_space_room"]
+__all__ = ["HostAvailable", "host_available", "cgroup_room", "address_space_limit",
+           "address_space_room", "read_meminfo"]
 
 # A cgroup limit at or above this is "no limit" (v1 writes 2^63 rounded down to a page).
 _UNLIMITED = 1 << 60
@@ -44,9 +45,14 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
+def read_meminfo(meminfo: str = "/proc/meminfo") -> str:
+    """/proc/meminfo's text ('' where there is none)."""
+    return _read(meminfo) or ""
+
+
 def mem_available(meminfo: str = "/proc/meminfo") -> Optional[int]:
     """The kernel's MemAvailable in bytes (None where it does not say)."""
-    text = _read(meminfo) or ""
+    text = read_meminfo(meminfo)
     for line in text.splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
@@ -109,13 +115,19 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup",
     return best
 
 
+def address_space_limit() -> Optional[int]:
+    """The address-space limit of this process (``ulimit -v``) in bytes; None: unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def address_space_room(status: str = "/proc/self/status") -> Optional[int]:
     """The soft RLIMIT_AS (``ulimit -v``) less the process's VmSize; None when unlimited."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
+    limit = address_space_limit()
+    if limit is None:
         return None
     size = _stat_field((_read(status) or "").replace("kB", ""), ("VmSize:",)) * 1024
-    return max(0, soft - size)
+    return max(0, limit - size)
 
 
 def host_available(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",

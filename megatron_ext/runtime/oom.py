@@ -16,6 +16,8 @@ import dataclasses
 import re
 from typing import Optional
 
+from megatron_ext.runtime.host_memory import address_space_limit, read_meminfo
+
 GIB = 1 << 30
 _UNITS = {"b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -130,23 +132,6 @@ def host_shortage(message: str, meminfo: str = "") -> Shortage:
             fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
     return Shortage(device="host", asked=asked, free=fields.get("MemAvailable"),
                     total=fields.get("MemTotal"))
-
-
-def read_meminfo() -> str:
-    """/proc/meminfo's text ('' where there is none)."""
-    try:
-        with open("/proc/meminfo") as stream:
-            return stream.read()
-    except OSError:
-        return ""
-
-
-def address_space_limit() -> Optional[int]:
-    """The address-space limit of this process (``ulimit -v``) in bytes; None: unlimited."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def shortage_of(exc: BaseException, kind: str, default_device: str = "cuda") -> Shortage:
