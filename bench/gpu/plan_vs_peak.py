@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,30 @@ CASES = {
     "4.1b-plain-recompute": _shape(32, 3200, 32, *FULL, *MB1),
     "6.7b-offload-recompute": _shape(32, 4096, 32, *FULL, *MB1, "--offload-optimizer"),
 }
+# Megatron-LM's Llama-3-8B flag set (examples/llama/train_llama3_8b_h100_fp8.sh at
+# core_v0.16.1, its bf16 branch, mock data) on one GPU with global batch 8 and full
+# recomputation (as issue 37's rows ran it); iteration-based schedule flags instead of the
+# script's sample-based ones (this driver passes --train-iters).
+LLAMA3_8B = [
+    "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--kv-channels", "128", "--seq-length", "8192", "--max-position-embeddings", "8192",
+    "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu",
+    "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "0.00015",
+    "--min-lr", "0.00001", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+    "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+    "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "1",
+    "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+    "--log-interval", "1", "--eval-iters", "0", "--wandb-mode", "disabled", *FULL]
+CASES["llama3-8b-plain"] = LLAMA3_8B
+CASES["llama3-8b-offload"] = [*LLAMA3_8B, "--offload-optimizer"]
+CASES["llama3-8b-zenflow"] = [*LLAMA3_8B, "--zenflow"]
 # On the CPU (``--cases cpu-...``): the host holds everything; 8 layers, sequence 256.
 _CPU = ["--num-layers", "8", "--num-attention-heads", "8", "--seq-length", "256",
         "--max-position-embeddings", "256", "--mock-data", "--vocab-size", "8192", "--lr", "1e-3",
@@ -85,20 +110,32 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def run_case(name: str, args: list, iters: int, timeout: float) -> dict:
+def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None,
+             timeline: Path = None) -> dict:
+    """One fresh run of case ``name``; ``env`` added to its environment; ``timeline``: a
+    file for its host resident set every 0.5 s and its output lines, each with the seconds
+    since the start (where the host grows, phase by phase)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *args, "--train-iters",
                str(iters), "--metrics-path", str(metrics)]
         start = time.time()
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
+                                 stderr=subprocess.STDOUT, text=True,
+                                 env={**os.environ, **(env or {})})
         peak = [0]
         proc = psutil.Process(child.pid)
+        events = []  # (seconds, text) for the timeline
 
         def watch():
+            last = 0.0
             while child.poll() is None:
-                peak[0] = max(peak[0], _tree_rss(proc))
+                rss = _tree_rss(proc)
+                peak[0] = max(peak[0], rss)
+                now = time.time() - start
+                if now - last >= 0.5:
+                    events.append((now, f"rss {rss / GIB:.2f} GiB"))
+                    last = now
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -110,16 +147,22 @@ def run_case(name: str, args: list, iters: int, timeout: float) -> dict:
             if at_plan[0] is None and line.startswith("memory plan ("):
                 at_plan[0] = _tree_rss(proc)
             lines.append(line)
+            events.append((time.time() - start, line.rstrip()[:300]))
         child.wait()
         killer.cancel()
         out = "".join(lines)
+        if timeline is not None:
+            with open(timeline, "a") as f:
+                f.write(f"## {name} {json.dumps(env or {})}\n")
+                f.writelines(f"{t:8.1f} {text}\n" for t, text in sorted(events))
         if time.time() - start >= timeout:
             return {"case": name, "status": f"timed out after {timeout:.0f} s",
                     "tail": out[-1500:]}
         watcher.join(1)
         records = ([json.loads(line) for line in metrics.read_text().splitlines()]
                    if metrics.exists() else [])
-    row = {"case": name, "seconds": round(time.time() - start, 1), "rc": child.returncode}
+    row = {"case": name, "seconds": round(time.time() - start, 1), "rc": child.returncode,
+           "env": env or {}}
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     text = out.splitlines()
     first = next((i for i, line in enumerate(text) if line.startswith("memory plan (")), None)
@@ -139,6 +182,10 @@ def run_case(name: str, args: list, iters: int, timeout: float) -> dict:
     row["host_rss_peak_bytes"] = peak[0]
     row["host_rss_at_plan_bytes"] = at_plan[0] or 0
     row["step_s"] = [round(r["time/iteration_s"], 3) for r in steps]
+    # Each iteration's timers and the engine's counters (the first step's state build).
+    row["iterations"] = [{k: v for k, v in r.items()
+                          if k.startswith(("time/", "offload/", "zenflow/", "throughput/"))}
+                         for r in steps]
     return row
 
 
@@ -155,7 +202,8 @@ def table(rows: list) -> str:
                  if r.get("gpu_max_reserved_bytes") else "-")
         growth = (f"{(r['host_rss_peak_bytes'] - r['host_rss_at_plan_bytes']) / 1e9:.2f}"
                   if r.get("host_rss_at_plan_bytes") else "-")
-        lines.append(f"| {r['case']} | {r['status'][:80]} | {g('plan_gpu_bytes')} | "
+        name = r["case"] + (" " + " ".join(f"{k}={v}" for k, v in r["env"].items()) if r.get("env") else "")
+        lines.append(f"| {name} | {r['status'][:80]} | {g('plan_gpu_bytes')} | "
                      f"{g('gpu_max_allocated_bytes')} | {g('gpu_max_reserved_bytes')} | "
                      f"{ratio} | {g('plan_host_bytes')} | {g('host_rss_peak_bytes')} | "
                      f"{growth} |")
@@ -169,12 +217,17 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--iters", type=int, default=3, help="iterations per case")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per case")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="added to every case's environment (repeatable)")
+    parser.add_argument("--timeline", type=Path, default=None,
+                        help="a file for each case's host timeline and output lines")
     a = parser.parse_args()
+    env = dict(item.split("=", 1) for item in a.env)
     rows = []
     for name in a.cases.split(","):
         if name not in CASES:
             sys.exit(f"error: unknown case {name!r}; the cases: {', '.join(CASES)}")
-        row = run_case(name, CASES[name], a.iters, a.timeout)
+        row = run_case(name, CASES[name], a.iters, a.timeout, env, a.timeline)
         rows.append(row)
         with open(a.output, "a") as f:
             f.write(json.dumps(row) + "\n")

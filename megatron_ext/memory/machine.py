@@ -63,6 +63,8 @@ class Machine:
         save_dir: the ``--save`` directory, or its nearest existing parent where it is not
             made yet (None: no --save, or a stated target machine).
         save_free_bytes: the free space of ``save_dir``'s file system (None: not known).
+        expandable_segments: whether the CUDA caching allocator grows segments in place
+            (the project's default, :func:`expandable_segments`); its slack is then small.
     """
 
     name: str
@@ -75,6 +77,7 @@ class Machine:
     tflops: Optional[float] = None
     save_dir: Optional[str] = None
     save_free_bytes: Optional[int] = None
+    expandable_segments: bool = True
 
     def host_share(self) -> int:
         """The host memory one rank may plan with."""
@@ -105,6 +108,18 @@ def default_tflops(device_name: str) -> Optional[float]:
         if key in device_name:
             return value
     return None
+
+
+def expandable_segments(environ) -> bool:
+    """Whether the job's CUDA allocator settings grow segments in place.
+
+    Unset, the run sets them so (``runtime.distributed.ALLOCATOR_DEFAULT``); set, as they
+    say (torch's default is off).
+    """
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF"))
+    if conf is None:
+        return True
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 def _ranks_per_node(environ) -> int:
@@ -154,7 +169,8 @@ def measure(cfg, runtime, environ=None) -> Machine:
                    ranks_per_node=_ranks_per_node(environ),
                    paths=tuple(measure_paths(cfg.offload.offload_paths,
                                              plan.plan_path_free_gb)),
-                   tflops=tflops, save_dir=save_dir, save_free_bytes=save_free)
+                   tflops=tflops, save_dir=save_dir, save_free_bytes=save_free,
+                   expandable_segments=expandable_segments(environ))
 
 
 def existing_parent(path: str) -> str:
@@ -204,10 +220,10 @@ def target_machine(gpu_gb: float, host_gb: float, paths: Sequence[str], tflops: 
     """A stated machine (``tools/plan_memory.py``).
 
     One GPU of ``gpu_gb`` free, the node's ``host_gb`` of MemAvailable and its ``paths``
-    (``GB[@READ,WRITE]`` each).
+    (``GB[@READ,WRITE]`` each), the CUDA allocator as this shell's environment sets it.
     """
     gpu = int(gpu_gb * GB)
     return Machine(name=name, gpu_total_bytes=gpu, gpu_free_bytes=gpu,
                    host_available_bytes=int(host_gb * GB), ranks_per_node=gpus_per_node,
                    paths=tuple(parse_target_path(text, i) for i, text in enumerate(paths)),
-                   tflops=tflops)
+                   tflops=tflops, expandable_segments=expandable_segments(os.environ))

@@ -28,6 +28,21 @@ from megatron_ext.optim.modes import TieredStates, mode_of
 PIPELINE_BUFFERS = 3
 """Host buffers the offload pipeline needs at least (fetch, update, flush)."""
 
+SLACK_EXPANDABLE = 0.01
+"""The CUDA caching allocator's reserved memory beyond what it hands out, as a share of
+the GPU items, with expandable segments (the default). Measured on an H100 on 2026-12-07
+(bench/results/2026-12-07b-h100-plan-vs-peak): 0.05-0.24 GB, at most 0.35 % of the peak,
+over 1.3B plain, offload, ZenFlow, 2.7B micro-batch 2 and Llama-3-8B offload."""
+SLACK_DEFAULT = 0.15
+"""The same with torch's default allocator (the job set PYTORCH_CUDA_ALLOC_CONF without
+expandable segments): 0.27-4.96 GB, up to 14.1 % of the allocated peak (1.3B plain,
+bench/results/2026-12-07-h100-plan-vs-peak)."""
+GPU_PROCESS_HOST = int(2.1 * GB)
+"""Host memory a GPU run's process takes after the plan besides what the plan places
+there: megatron-core's start-up, NCCL, the CUDA libraries' kernels loaded at the first
+iteration. Measured on an H100 on 2026-12-07: the resident set of a plain run grew 1.84-1.91
+GB after the plan's print, for 1.3B and 2.7B alike."""
+
 
 def gb(nbytes: float) -> str:
     """Bytes as GB for the table and the refusals.
@@ -337,8 +352,14 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
     needs = mode.memory_needs(cfg, shape, room)
     gpu.items.update(needs.gpu)
     plan.host.items.update(needs.host)
+    slack = 0
+    if machine.gpu_total_bytes is not None:
+        share = SLACK_EXPANDABLE if machine.expandable_segments else SLACK_DEFAULT
+        slack = int(share * gpu.used)
+        gpu.items["allocator slack"] = slack
+        plan.host.items["CUDA libraries and start-up"] = GPU_PROCESS_HOST
     if room is not None:
-        plan.device_budget = max(0, room - sum(needs.gpu.values()))
+        plan.device_budget = max(0, room - sum(needs.gpu.values()) - slack)
     refusal = _gpu_refusal(plan, needs.gpu_fix, base)
     if refusal:
         plan.refusals.append(refusal)

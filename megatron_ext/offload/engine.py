@@ -298,8 +298,9 @@ class OffloadEngine:
         subgroups that stayed in the cache. ``device_direct``: ``sources`` may write the
         device tier's states where they are (see :meth:`SubgroupStore.fill`).
         """
+        slot = self.streamed.fill_slot() if device_direct else None
         self.store.fill(sources, self.fill_order(self.step_count), before=before,
-                        device_direct=device_direct)
+                        device_direct=device_direct, device_slot=slot)
         self.initialized = True
 
     def fill_order(self, step: int) -> List[int]:
@@ -326,8 +327,9 @@ class OffloadEngine:
     def initialize_from_model(self) -> None:
         """fp32 masters from the model's current weights; zero moments.
 
-        The device tier's states are built on the device from the weights there (at the
-        device's memory speed: 80 GB of them took 98 s through a host buffer).
+        Every state is built on the device from the weights there (at the device's memory
+        speed: 80 GB of them took 98 s through a host buffer), a host subgroup's then
+        copied to its pinned buffer once.
         """
         def fill(param: int, start: int, length: int, views: List[torch.Tensor]) -> None:
             views[0].copy_(self.params[param].init().reshape(-1)[start:start + length])
@@ -348,7 +350,8 @@ class OffloadEngine:
         weights of the masters (the other half of each master).
         ``before(index)`` is called before subgroup ``index`` takes a buffer.
         ``device_direct``: ``fill`` is torch ops on tensors of any device, so the device
-        tier's states are filled where they are (no host buffer, no PCIe).
+        tier's states are filled where they are (no host buffer, no PCIe) and on CUDA the
+        host subgroups' in a device buffer, each copied down once.
         """
         self.step_count = step
         self.store.version = [step] * len(self.subgroups)

@@ -437,17 +437,22 @@ class SubgroupStore:
     # ----------------------------------------------------------------- filling and moving
 
     def fill(self, sources: Callable[[int, torch.Tensor], None], order: Sequence[int],
-             before: Optional[Callable[[int], None]] = None, device_direct: bool = False
-             ) -> None:
+             before: Optional[Callable[[int], None]] = None, device_direct: bool = False,
+             device_slot: Optional[torch.Tensor] = None) -> None:
         """Fills every subgroup's state in ``order``, writing out what the cache cannot keep.
 
         ``sources(index, buffer)`` writes subgroup ``index``'s state into a host buffer, or
-        with ``device_direct`` a device-tier subgroup's into its device state itself (a
-        source of torch ops on device data: the model's weights; no PCIe round trip);
+        with ``device_direct`` into a buffer on the device (a source of torch ops on device
+        data: the model's weights): a device-tier subgroup's device state itself, and on
+        CUDA a host subgroup's state is built in a device buffer (``device_slot``, one of
+        ``buffer_bytes``, or one made for the fill) and copied to its pinned host buffer
+        once: no pageable round trip per piece, no encoding on the host (the Llama-3-8B
+        first step spent ~1.5 s per 1 GB subgroup so, 129 s for 81 subgroups).
         ``before(index)``, if given, is called first (a source frees what it no longer
         needs before the buffer is taken).
         """
         staging = None
+        build = device_slot if device_direct and self.is_cuda else None
         for index in order:
             if before is not None:
                 before(index)
@@ -464,7 +469,15 @@ class SubgroupStore:
             buffer, flush = self.take_buffer(protect=())
             if flush is not None:
                 flush.result()
-            sources(index, buffer)
+            if device_direct and self.is_cuda:
+                if build is None:
+                    build = torch.empty(self.buffer_bytes, dtype=torch.uint8,
+                                        device=self.device)
+                size = self.sizes[index]
+                sources(index, build[:size])
+                buffer[:size].copy_(build[:size])  # synchronous: the slot is reused next
+            else:
+                sources(index, buffer)
             self.cache.insert(index, buffer, dirty=True)
         self.wait_io()
 

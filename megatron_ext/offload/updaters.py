@@ -335,6 +335,11 @@ class SyncStreamUpdater:
         self._elements += self.store.subgroups[index].numel
         self._seconds += time.perf_counter() - start
 
+    def fill_slot(self) -> Optional[torch.Tensor]:
+        """A device buffer of a subgroup for the state build to reuse (None: the store
+        makes one for the build, on CUDA)."""
+        return None
+
     def take_counts(self) -> Tuple[int, float]:
         """(elements, seconds) of streamed updates since the last call."""
         counts = (self._elements, self._seconds)
@@ -360,6 +365,12 @@ class CudaStreamUpdater(SyncStreamUpdater):
         self._stream_next = 0
         self._slot_free: List[object] = [None, None]
         self._stream_marks: List[tuple] = []
+
+    def fill_slot(self) -> Optional[torch.Tensor]:
+        """The first stream slot, once its last D2H is done (the current stream waits)."""
+        if self._slot_free[0] is not None:
+            torch.cuda.current_stream(self.store.device).wait_event(self._slot_free[0])
+        return self._stream_slots[0]
 
     def _stream(self, index: int, host: torch.Tensor, args: StepArgs) -> None:
         nbytes = host.numel()

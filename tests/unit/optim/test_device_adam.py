@@ -7,8 +7,16 @@ from megatron_ext.errors import UsageError
 from megatron_ext.optim import device_adam
 
 
-def test_torch_is_the_default_until_the_gpu_run_proves_the_kernel(monkeypatch):
+def test_the_kernel_is_the_default_where_triton_and_cuda_are(monkeypatch):
     monkeypatch.delenv(device_adam.DEVICE_ADAM_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert device_adam.choice() == "fused"
+    assert device_adam.enabled(torch.device("cuda")) == (device_adam.triton is not None)
+    assert not device_adam.enabled(torch.device("cpu"))
+
+
+def test_torch_keeps_torchs_passes(monkeypatch):
+    monkeypatch.setenv(device_adam.DEVICE_ADAM_ENV, "torch")
     assert device_adam.choice() == "torch"
     assert not device_adam.enabled(torch.device("cuda"))
 
