@@ -443,16 +443,17 @@ class SubgroupStore:
 
         ``sources(index, buffer)`` writes subgroup ``index``'s state into a host buffer, or
         with ``device_direct`` into a buffer on the device (a source of torch ops on device
-        data: the model's weights): a device-tier subgroup's device state itself, and on
-        CUDA a host subgroup's state is built in a device buffer (``device_slot``, one of
-        ``buffer_bytes``, or one made for the fill) and copied to its pinned host buffer
-        once: no pageable round trip per piece, no encoding on the host (the Llama-3-8B
-        first step spent ~1.5 s per 1 GB subgroup so, 129 s for 81 subgroups).
+        data: the model's weights): a device-tier subgroup's device state itself, and,
+        given ``device_slot`` (a device buffer of ``buffer_bytes``: the streamed update's
+        slot, so no memory beyond what the plan counts), a host subgroup's state is built
+        there and copied to its pinned host buffer once: no pageable round trip per piece,
+        no encoding on the host (the Llama-3-8B first step spent ~1.5 s per 1 GB subgroup
+        so, 129 s for 81 subgroups). Without a slot (CPU updates only) the host builds it.
         ``before(index)``, if given, is called first (a source frees what it no longer
         needs before the buffer is taken).
         """
         staging = None
-        build = device_slot if device_direct and self.is_cuda else None
+        build = device_slot if device_direct and self.is_cuda else None  # None: on the host
         for index in order:
             if before is not None:
                 before(index)
@@ -469,10 +470,7 @@ class SubgroupStore:
             buffer, flush = self.take_buffer(protect=())
             if flush is not None:
                 flush.result()
-            if device_direct and self.is_cuda:
-                if build is None:
-                    build = torch.empty(self.buffer_bytes, dtype=torch.uint8,
-                                        device=self.device)
+            if build is not None:
                 size = self.sizes[index]
                 sources(index, build[:size])
                 buffer[:size].copy_(build[:size])  # synchronous: the slot is reused next

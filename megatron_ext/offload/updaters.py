@@ -336,8 +336,8 @@ class SyncStreamUpdater:
         self._seconds += time.perf_counter() - start
 
     def fill_slot(self) -> Optional[torch.Tensor]:
-        """A device buffer of a subgroup for the state build to reuse (None: the store
-        makes one for the build, on CUDA)."""
+        """A device buffer of a subgroup for the state build to reuse (None: none here;
+        the host builds the host subgroups' states)."""
         return None
 
     def take_counts(self) -> Tuple[int, float]:

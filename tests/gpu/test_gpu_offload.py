@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_ext.memory.plan import GPU_PROCESS_HOST
 from mext_testing import (
     BF16,
     GPU_TINY,
@@ -136,7 +137,9 @@ def test_every_size_auto_on_cuda(tmp_path):
     result = run_pretrain(
         [*BASE, "--offload-optimizer", "--offload-subgroup-size", "10000", "--offload-paths",
          *dirs, "--offload-host-reserve-gb", "0", "--metrics-path", str(auto)],
-        env={"MEGATRON_EXT_MEMAVAILABLE_GB": str((pipeline + 6 * state) / 1e9),
+        # Beside the process's own start-up, which the plan counts (GPU_PROCESS_HOST).
+        env={"MEGATRON_EXT_MEMAVAILABLE_GB": str((GPU_PROCESS_HOST + pipeline + 6 * state)
+                                                 / 1e9),
              "LOCAL_WORLD_SIZE": "1"})
     assert train_losses(auto) == pytest.approx(train_losses(plain), rel=2e-3)
     line = next(s for s in result.stdout.splitlines() if "offload: rank 0 tiers:" in s)

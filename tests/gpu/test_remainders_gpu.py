@@ -7,6 +7,10 @@ bf16 weights) and whole (``store_param_remainders=False``), with the same Adam o
 side (the GPU's fused one on the device, the CPU's on the host), so the results must agree
 bit for bit: the weights, and the states, where the remainders' are rebuilt on the CPU
 from the GPU's stored bytes and the model's weights (the CPU reconstruction).
+
+The device side runs torch's passes here (``MEGATRON_EXT_DEVICE_ADAM=torch``): the one-pass
+kernel, the default on CUDA, exists for remainders only, so whole masters have no twin of
+it; tests/gpu/test_gpu_device_adam.py holds it bit for bit to the host kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
 
 SIZES = [37, 1000, 5, 2048, 300, 129]
+
+
+@pytest.fixture(autouse=True)
+def _torch_device_adam(monkeypatch):
+    """torch's AdamW passes on both sides (the engines here and the runs' processes)."""
+    monkeypatch.setenv("MEGATRON_EXT_DEVICE_ADAM", "torch")
+
 GROUPS = [0, 1, 0, 1, 0, 1]
 HPARAMS = [{"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0},
            {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]
