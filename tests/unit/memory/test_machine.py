@@ -78,3 +78,13 @@ def test_tflops_default_is_the_measured_h200_figure():
     assert default_tflops("NVIDIA A100-SXM4-80GB") is None
     cfg = parse_config([*TINY, "--plan-tflops", "123"])
     assert measure(cfg, CPU, environ={}).tflops == 123
+
+
+def test_expandable_segments_unless_the_job_sets_the_allocator_otherwise():
+    from megatron_ext.memory.machine import expandable_segments
+
+    assert expandable_segments({})  # the run sets them (runtime.distributed)
+    assert expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert expandable_segments({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:true"})
+    assert not expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert not expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": ""})
