@@ -15,6 +15,8 @@ line on stderr, exit 2. Nothing is built and no data file is opened (fast, no to
 order); without ``--offload-paths`` the ``--target-path`` entries are the run's paths.
 Output directories (``--save``, ``--tensorboard-dir``, ...) are the target's too and are
 ignored; ``--tokenizer-vocab-size N`` stands for a tokenizer whose files are elsewhere.
+The CUDA allocator's slack is counted as this shell's ``PYTORCH_CUDA_ALLOC_CONF`` says
+(unset: expandable segments, what a run sets when the job gives no settings).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def tool_parser() -> argparse.ArgumentParser:
     parser = ToolArgumentParser(
         prog="tools/plan_memory.py", add_help=False,
         description="The memory plan of pretrain_gpt.py's flags on a stated machine "
-                    "(capacities per node; every other flag is pretrain_gpt.py's).")
+                    "(capacities per node; every other flag is pretrain_gpt.py's). The CUDA "
+                    "allocator's slack follows this shell's PYTORCH_CUDA_ALLOC_CONF (unset: "
+                    "expandable segments, as a run sets them).")
     parser.add_argument("--help", "-h", action="store_true", help="show this help and exit")
     parser.add_argument("--target-gpu-gb", type=_positive_float, required=False,
                         help="free memory of one GPU, in GB (10^9 bytes; an H200 shows about "
