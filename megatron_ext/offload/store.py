@@ -453,7 +453,7 @@ class SubgroupStore:
         needs before the buffer is taken).
         """
         staging = None
-        build = device_slot if device_direct and self.is_cuda else None  # None: on the host
+        build = device_slot if device_direct else None  # None: in the host buffer itself
         for index in order:
             if before is not None:
                 before(index)

@@ -806,3 +806,43 @@ def test_the_io_floor_is_the_bytes_that_must_cross_over_the_measured_bandwidth(t
         assert records[-1]["offload/host_only_subgroups"] == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_host_subgroups_built_in_the_streamed_slot_equal_those_built_in_place(tmp_path,
+                                                                              dtype):
+    """On CUDA the first step builds each host subgroup's state in the streamed update's
+    device slot and copies it down once (store.fill's ``device_slot``). The same path on
+    the CPU, with a CPU tensor as the slot: every subgroup passes through it, and the
+    states and three steps equal torch's AdamW bit for bit."""
+    device_gb, cache_gb, _ = _tier_sizes("device+host", dtype)
+    shard, ref_shard = Shard(dtype), Shard(dtype)
+    masters, opt = _reference(ref_shard)
+    engine = _engine(tmp_path, shard, 0, {}, cache_gb=cache_gb,
+                     offload_device_cache_gb=str(device_gb))
+    slot = torch.zeros(engine.store.buffer_bytes, dtype=torch.uint8)
+    built = []
+    engine.streamed.fill_slot = lambda: slot
+    try:
+        store_fill = engine.store.fill
+
+        def fill(sources, order, before=None, device_direct=False, device_slot=None):
+            assert device_slot is slot
+
+            def traced(index, buffer):
+                if buffer.data_ptr() == slot.data_ptr():
+                    built.append(index)
+                sources(index, buffer)
+            return store_fill(traced, order, before=before, device_direct=device_direct,
+                              device_slot=device_slot)
+        engine.store.fill = fill
+        engine.initialize_from_model()
+        hosted = [i for i in range(len(engine.subgroups)) if i not in engine.device_members]
+        assert hosted and sorted(built) == sorted(hosted)
+        for step in range(3):
+            _step_both(shard, ref_shard, masters, opt, engine, None, 0.5 if step else None)
+        for w, ref in zip(shard.weights, ref_shard.weights):
+            assert torch.equal(w, ref)
+        _check_states(engine, masters, opt)
+    finally:
+        engine.close()
