@@ -330,6 +330,15 @@ def _check_states(engine, masters, opt):
                 assert torch.equal(got[part].cpu(), expected), f"subgroup {index} differs"
 
 
+def _three_steps_as_torch(shard, ref_shard, masters, opt, engine):
+    """Three steps (clipped after the first) equal torch's AdamW: weights and states."""
+    for step in range(3):
+        _step_both(shard, ref_shard, masters, opt, engine, None, 0.5 if step else None)
+    for w, ref in zip(shard.weights, ref_shard.weights):
+        assert torch.equal(w, ref)
+    _check_states(engine, masters, opt)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_device_tier_is_built_where_it_lives(tmp_path, monkeypatch, dtype):
     """The first step builds the device tier's states on the device from the weights there:
@@ -356,11 +365,7 @@ def test_the_device_tier_is_built_where_it_lives(tmp_path, monkeypatch, dtype):
         assert len(engine.device_members) == 2
         assert all(args[0] == engine.store.buffer_bytes for args in staged[before:])
         assert len(staged) - before <= len(engine.subgroups) - 2
-        for step in range(3):
-            _step_both(shard, ref_shard, masters, opt, engine, None, 0.5 if step else None)
-        for w, ref in zip(shard.weights, ref_shard.weights):
-            assert torch.equal(w, ref)
-        _check_states(engine, masters, opt)
+        _three_steps_as_torch(shard, ref_shard, masters, opt, engine)
     finally:
         engine.close()
 
@@ -839,10 +844,6 @@ def test_host_subgroups_built_in_the_streamed_slot_equal_those_built_in_place(tm
         engine.initialize_from_model()
         hosted = [i for i in range(len(engine.subgroups)) if i not in engine.device_members]
         assert hosted and sorted(built) == sorted(hosted)
-        for step in range(3):
-            _step_both(shard, ref_shard, masters, opt, engine, None, 0.5 if step else None)
-        for w, ref in zip(shard.weights, ref_shard.weights):
-            assert torch.equal(w, ref)
-        _check_states(engine, masters, opt)
+        _three_steps_as_torch(shard, ref_shard, masters, opt, engine)
     finally:
         engine.close()
