@@ -100,16 +100,6 @@ for _hidden in (512, 768):
 GPU_CASES = [name for name in CASES if not name.startswith("cpu-")]
 
 
-def _tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
 def _children(proc: psutil.Process) -> tuple:
     """(number of child processes, their resident set in bytes)."""
     kids = proc.children(recursive=True)
@@ -120,6 +110,15 @@ def _children(proc: psutil.Process) -> tuple:
         except psutil.Error:
             pass
     return len(kids), total
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    """The resident set of ``proc`` and its children, in bytes."""
+    try:
+        own = proc.memory_info().rss
+    except psutil.Error:
+        own = 0
+    return own + _children(proc)[1]
 
 
 def _gpu_used() -> int:

@@ -30,7 +30,8 @@ PIPELINE_BUFFERS = 3
 
 SLACK_EXPANDABLE = 0.01
 """The CUDA caching allocator's reserved memory beyond what it hands out, as a share of
-the GPU items, with expandable segments (the default). Measured on an H100 on 2026-12-07
+the GPU items besides the device tier (whole-subgroup allocations, placed after it), with
+expandable segments (the default). Measured on an H100 on 2026-12-07
 (bench/results/2026-12-07b-h100-plan-vs-peak): 0.05-0.24 GB, at most 0.35 % of the peak,
 over 1.3B plain, offload, ZenFlow, 2.7B micro-batch 2 and Llama-3-8B offload."""
 SLACK_DEFAULT = 0.15

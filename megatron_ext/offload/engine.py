@@ -327,9 +327,10 @@ class OffloadEngine:
     def initialize_from_model(self) -> None:
         """fp32 masters from the model's current weights; zero moments.
 
-        Every state is built on the device from the weights there (at the device's memory
-        speed: 80 GB of them took 98 s through a host buffer), a host subgroup's then
-        copied to its pinned buffer once.
+        The device tier's states are built on the device from the weights there (at the
+        device's memory speed: 80 GB of them took 98 s through a host buffer); with the
+        streamed update's slot (on CUDA) so are the host subgroups', each then copied to
+        its pinned buffer once; without it the host builds them.
         """
         def fill(param: int, start: int, length: int, views: List[torch.Tensor]) -> None:
             views[0].copy_(self.params[param].init().reshape(-1)[start:start + length])
@@ -350,8 +351,8 @@ class OffloadEngine:
         weights of the masters (the other half of each master).
         ``before(index)`` is called before subgroup ``index`` takes a buffer.
         ``device_direct``: ``fill`` is torch ops on tensors of any device, so the device
-        tier's states are filled where they are (no host buffer, no PCIe) and on CUDA the
-        host subgroups' in a device buffer, each copied down once.
+        tier's states are filled where they are (no host buffer, no PCIe) and, where the
+        streamed update lends its slot, the host subgroups' there, each copied down once.
         """
         self.step_count = step
         self.store.version = [step] * len(self.subgroups)
