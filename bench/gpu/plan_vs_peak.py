@@ -121,6 +121,61 @@ def _tree_rss(proc: psutil.Process) -> int:
     return own + _children(proc)[1]
 
 
+def _status_kb(pid: int) -> dict:
+    """RssAnon, RssFile, RssShmem of ``pid`` in bytes (/proc/PID/status; {} when gone)."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _kinds(proc: psutil.Process) -> str:
+    """The main process's and the children's resident set by kind: anonymous, file-backed
+    (shared libraries, reclaimable), shared memory (what pinned CUDA host memory shows as)."""
+    own = _status_kb(proc.pid)
+    kids = {}
+    try:
+        for p in proc.children(recursive=True):
+            for key, value in _status_kb(p.pid).items():
+                kids[key] = kids.get(key, 0) + value
+    except psutil.Error:
+        pass
+    f = lambda d: "/".join(f"{d.get(k, 0) / GIB:.2f}" for k in ("RssAnon", "RssFile", "RssShmem"))  # noqa: E731
+    return f"main anon/file/shmem {f(own)}, children {f(kids)}"
+
+
+def _meminfo() -> dict:
+    """The node's /proc/meminfo in bytes (MemAvailable, Shmem, ...)."""
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            out[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _largest_mappings(pid: int, count: int = 12) -> list:
+    """The ``count`` largest mappings of ``pid`` by resident set: (GiB, name)."""
+    sizes, name = {}, None
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                name = head[5] if len(head) > 5 else "[anonymous]"
+            elif head and head[0] == "Rss:" and name is not None:
+                sizes[name] = sizes.get(name, 0) + int(head[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return []
+    return sorted(((v / GIB, k) for k, v in sizes.items()), reverse=True)[:count]
+
+
 def _gpu_used() -> int:
     """The device's used memory in bytes, as the driver counts it (nvidia-smi; every
     process, the CUDA context and libraries included); 0 without nvidia-smi."""
@@ -151,6 +206,11 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
         events = []  # (seconds, text) for the timeline
 
         gpu_peak = [0]
+        # The node's MemAvailable before the run and its lowest during it: what the run
+        # took from the node (anonymous, pinned and shared memory; not the libraries' pages
+        # the kernel can drop), whatever process of the tree holds it.
+        before = _meminfo().get("MemAvailable", 0)
+        low = [before]
 
         def watch():
             last = 0.0
@@ -163,8 +223,14 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
                     kids, kids_rss = _children(proc)
                     used = _gpu_used()
                     gpu_peak[0] = max(gpu_peak[0], used)
+                    info = _meminfo()
+                    if info.get("MemAvailable"):
+                        low[0] = min(low[0], info["MemAvailable"])
                     events.append((now, f"rss {rss / GIB:.2f} GiB, {kids} children "
-                                        f"{kids_rss / GIB:.2f} GiB, GPU used {used / GIB:.2f} GiB"))
+                                        f"{kids_rss / GIB:.2f} GiB, GPU used {used / GIB:.2f} GiB; "
+                                        f"{_kinds(proc)}; node MemAvailable "
+                                        f"{info.get('MemAvailable', 0) / GIB:.2f} Shmem "
+                                        f"{info.get('Shmem', 0) / GIB:.2f} GiB"))
                     last = now
                 time.sleep(0.2)
 
@@ -179,6 +245,10 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
                 gpu_at_plan[0] = _gpu_used()
             lines.append(line)
             events.append((time.time() - start, line.rstrip()[:300]))
+            if " iteration        1/" in line or line.lstrip().startswith("iteration 1/"):
+                # Where the main process's memory is, once the first iteration is done.
+                for size, where in _largest_mappings(child.pid):
+                    events.append((time.time() - start, f"  mapping {size:7.2f} GiB {where}"))
         child.wait()
         killer.cancel()
         out = "".join(lines)
@@ -215,6 +285,7 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
     # The driver's view (sampled every 0.5 s): the allocator's peaks leave out what CUDA's
     # libraries load after the plan (the engine's first-step line saw ~2.1-2.5 GB less room
     # than the plan on an H100, bench/results/2026-12-07b-h100-plan-vs-peak).
+    row["node_available_drop_bytes"] = before - low[0]
     row["gpu_device_used_peak_bytes"] = gpu_peak[0]
     row["gpu_device_used_at_plan_bytes"] = gpu_at_plan[0]
     row["step_s"] = [round(r["time/iteration_s"], 3) for r in steps]

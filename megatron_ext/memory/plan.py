@@ -38,6 +38,13 @@ SLACK_DEFAULT = 0.15
 """The same with torch's default allocator (the job set PYTORCH_CUDA_ALLOC_CONF without
 expandable segments): 0.27-4.96 GB, up to 14.1 % of the allocated peak (1.3B plain,
 bench/results/2026-12-07-h100-plan-vs-peak)."""
+GPU_LIBRARIES = int(2.6 * GB)
+"""GPU memory a run takes after the plan outside the caching allocator: the kernels of the
+CUDA libraries (cuBLAS, cuDNN, NCCL) and the compiled Triton kernels, loaded at first use.
+Measured as the driver's used memory at its peak less at the plan, less the allocator's
+reserved peak, on an H200 on 2026-12-07 (bench/results/2026-12-07d-h200-plan-vs-peak): 2.06
+GB (2.7B plain), 2.07 (1.3B offload), 2.49 (Llama-3-8B offload); on an H100 the offload
+engine's first step saw 2.1-2.5 GB less room than the plan had measured free."""
 GPU_PROCESS_HOST = int(2.1 * GB)
 """Host memory a GPU run's process takes after the plan besides what the plan places
 there: megatron-core's start-up, NCCL, the CUDA libraries' kernels loaded at the first
@@ -353,14 +360,15 @@ def make_plan(cfg, shape: ModelShape, machine: Machine) -> MemoryPlan:
     needs = mode.memory_needs(cfg, shape, room)
     gpu.items.update(needs.gpu)
     plan.host.items.update(needs.host)
-    slack = 0
+    beside = 0  # the GPU bytes besides the tensors: the allocator's and the libraries'
     if machine.gpu_total_bytes is not None:
         share = SLACK_EXPANDABLE if machine.expandable_segments else SLACK_DEFAULT
-        slack = int(share * gpu.used)
-        gpu.items["allocator slack"] = slack
+        gpu.items["allocator slack"] = int(share * gpu.used)
+        gpu.items["CUDA libraries"] = GPU_LIBRARIES
+        beside = gpu.items["allocator slack"] + GPU_LIBRARIES
         plan.host.items["CUDA libraries and start-up"] = GPU_PROCESS_HOST
     if room is not None:
-        plan.device_budget = max(0, room - sum(needs.gpu.values()) - slack)
+        plan.device_budget = max(0, room - sum(needs.gpu.values()) - beside)
     refusal = _gpu_refusal(plan, needs.gpu_fix, base)
     if refusal:
         plan.refusals.append(refusal)

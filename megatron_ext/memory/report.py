@@ -102,6 +102,8 @@ def plan_metrics(plan: MemoryPlan) -> Dict[str, float]:
         "memory/plan_gradients_bytes": float(plan.gpu.items["gradients"]),
         "memory/plan_activation_bytes": float(plan.gpu.items["activations"]),
         "memory/plan_device_tier_bytes": float(plan.gpu.items.get("device tier", 0)),
+        "memory/plan_allocator_slack_bytes": float(plan.gpu.items.get("allocator slack", 0)),
+        "memory/plan_cuda_libraries_bytes": float(plan.gpu.items.get("CUDA libraries", 0)),
         "memory/plan_device_subgroups": float(plan.device_subgroups),
         "memory/plan_host_cache_bytes": float(plan.host_cache_bytes),
         "memory/plan_host_only_subgroups": float(plan.host_subgroups),

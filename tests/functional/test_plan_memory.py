@@ -73,7 +73,7 @@ def test_the_tool_refuses_a_plain_run_too_big_for_the_gpu_in_one_line():
     out = tool([*SHAPES["16.52B"], *H200])
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1
-    assert out.stderr.startswith("error: memory plan: the run needs 400 GB on the GPU")
+    assert out.stderr.startswith("error: memory plan: the run needs 403 GB on the GPU")
     assert out.stderr.strip().endswith("150 GB free: add --offload-optimizer")
 
 

@@ -41,14 +41,21 @@ def test_plan_against_the_measured_peak(tmp_path):
     assert "memory plan (plain mode, per rank of 1 on NVIDIA" in out
     records = [r for r in read_metrics(metrics) if "lm_loss" in r]
     plan, peak = records[0], records[-1]["memory/gpu_max_allocated_gib"] * 2**30
-    persistent = plan["memory/plan_gpu_bytes"] - plan["memory/plan_activation_bytes"]
-    print(f"plan: {plan['memory/plan_gpu_bytes'] / 2**30:.3f} GiB (activations "
-          f"{plan['memory/plan_activation_bytes'] / 2**30:.3f}), measured peak "
-          f"{peak / 2**30:.3f} GiB")
+    # The CUDA libraries' kernels are outside the allocator, so outside its peak: the plan's
+    # tensors and the allocator's slack are what that peak measures (the libraries' share is
+    # measured by bench/gpu/plan_vs_peak.py against the driver's count).
+    libraries = plan["memory/plan_cuda_libraries_bytes"]
+    assert libraries >= 2e9
+    tensors = plan["memory/plan_gpu_bytes"] - libraries
+    persistent = (tensors - plan["memory/plan_activation_bytes"]
+                  - plan["memory/plan_allocator_slack_bytes"])
+    print(f"plan: {tensors / 2**30:.3f} GiB in the allocator (activations "
+          f"{plan['memory/plan_activation_bytes'] / 2**30:.3f}) and {libraries / 2**30:.2f} "
+          f"GiB of CUDA libraries, measured peak {peak / 2**30:.3f} GiB")
     # Weights, gradients and optimizer states are allocated for the whole run.
     assert persistent <= peak
     # The whole estimate is of the peak's order (the activations are an estimate).
-    assert 0.5 * peak <= plan["memory/plan_gpu_bytes"] <= 2.0 * peak
+    assert 0.5 * peak <= tensors <= 2.0 * peak
 
 
 def test_a_run_too_big_for_the_gpu_is_refused_before_the_first_step():
