@@ -43,8 +43,8 @@ GPU_LIBRARIES = int(2.6 * GB)
 CUDA libraries (cuBLAS, cuDNN, NCCL) and the compiled Triton kernels, loaded at first use.
 Measured as the driver's used memory at its peak less at the plan, less the allocator's
 reserved peak, on an H200 on 2026-12-07 (bench/results/2026-12-07d-h200-plan-vs-peak): 2.06
-GB (2.7B plain), 2.07 (1.3B offload), 2.49 (Llama-3-8B offload); on an H100 the offload
-engine's first step saw 2.1-2.5 GB less room than the plan had measured free."""
+GB (2.7B plain), 2.07 (1.3B offload), 2.49 (Llama-3-8B offload); on an H100 2.60 (Llama-3-8B
+offload, bench/results/2026-12-07e-h100-llama-and-gpu-tests): the largest measured."""
 GPU_PROCESS_HOST = int(2.1 * GB)
 """Host memory a GPU run's process takes after the plan besides what the plan places
 there: megatron-core's start-up, NCCL, the CUDA libraries' kernels loaded at the first
