@@ -145,8 +145,10 @@ def _kinds(proc: psutil.Process) -> str:
                 kids[key] = kids.get(key, 0) + value
     except psutil.Error:
         pass
-    f = lambda d: "/".join(f"{d.get(k, 0) / GIB:.2f}" for k in ("RssAnon", "RssFile", "RssShmem"))  # noqa: E731
-    return f"main anon/file/shmem {f(own)}, children {f(kids)}"
+    def gib(d: dict) -> str:
+        return "/".join(f"{d.get(k, 0) / GIB:.2f}" for k in ("RssAnon", "RssFile", "RssShmem"))
+
+    return f"main anon/file/shmem {gib(own)}, children {gib(kids)}"
 
 
 def _meminfo() -> dict:

@@ -45,7 +45,8 @@ def test_the_memory_plan_refuses_it_before_the_start():
 # expandable segments (the run's default) an allocation that cannot be met maps the device's
 # free pages one by one before it fails, so an uncapped run took the whole shared GPU for a
 # moment and a test beside it failed (NCCL "Failed to CUDA calloc async 4 bytes", 0.16.1 at
-# a34c742, bench/results/2026-12-07e-h100-llama-and-gpu-tests). The error is torch's own all the same.
+# a34c742, bench/results/2026-12-07e-h100-llama-and-gpu-tests). The error is torch's own
+# all the same.
 CAPPED = ("import os, runpy, sys\n"
           "os.environ.setdefault('PYTORCH_CUDA_ALLOC_CONF', 'expandable_segments:True')\n"
           "import torch\n"
