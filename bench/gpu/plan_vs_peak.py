@@ -101,7 +101,7 @@ GPU_CASES = [name for name in CASES if not name.startswith("cpu-")]
 
 
 def _children(proc: psutil.Process) -> tuple:
-    """(number of child processes, their resident set in bytes)."""
+    """(the child processes, their resident set in bytes)."""
     kids = proc.children(recursive=True)
     total = 0
     for p in kids:
@@ -109,7 +109,7 @@ def _children(proc: psutil.Process) -> tuple:
             total += p.memory_info().rss
         except psutil.Error:
             pass
-    return len(kids), total
+    return kids, total
 
 
 def _tree_rss(proc: psutil.Process) -> int:
@@ -121,46 +121,33 @@ def _tree_rss(proc: psutil.Process) -> int:
     return own + _children(proc)[1]
 
 
-def _status_kb(pid: int) -> dict:
-    """RssAnon, RssFile, RssShmem of ``pid`` in bytes (/proc/PID/status; {} when gone)."""
+def _kb_fields(path: str) -> dict:
+    """The ``Key: N kB`` lines of a /proc file (/proc/meminfo, /proc/PID/status) in bytes;
+    {} when it is gone."""
     out = {}
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile", "RssShmem"):
-                out[key] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
+            parts = value.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    except (OSError, ValueError):
         pass
     return out
 
 
-def _kinds(proc: psutil.Process) -> str:
-    """The main process's and the children's resident set by kind: anonymous, file-backed
+def _kinds(proc: psutil.Process, kids: list) -> str:
+    """The main process's and its children's resident set by kind: anonymous, file-backed
     (shared libraries, reclaimable), shared memory (what pinned CUDA host memory shows as)."""
-    own = _status_kb(proc.pid)
-    kids = {}
-    try:
-        for p in proc.children(recursive=True):
-            for key, value in _status_kb(p.pid).items():
-                kids[key] = kids.get(key, 0) + value
-    except psutil.Error:
-        pass
-    def gib(d: dict) -> str:
-        return "/".join(f"{d.get(k, 0) / GIB:.2f}" for k in ("RssAnon", "RssFile", "RssShmem"))
+    kinds = ("RssAnon", "RssFile", "RssShmem")
+    own = _kb_fields(f"/proc/{proc.pid}/status")
+    theirs = [_kb_fields(f"/proc/{p.pid}/status") for p in kids]
 
-    return f"main anon/file/shmem {gib(own)}, children {gib(kids)}"
+    def gib(values) -> str:
+        return "/".join(f"{value / GIB:.2f}" for value in values)
 
-
-def _meminfo() -> dict:
-    """The node's /proc/meminfo in bytes (MemAvailable, Shmem, ...)."""
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            out[key] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
+    return (f"main anon/file/shmem {gib(own.get(k, 0) for k in kinds)}, children "
+            f"{gib(sum(d.get(k, 0) for d in theirs) for k in kinds)}")
 
 
 def _largest_mappings(pid: int, count: int = 12) -> list:
@@ -211,7 +198,7 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
         # The node's MemAvailable before the run and its lowest during it: what the run
         # took from the node (anonymous, pinned and shared memory; not the libraries' pages
         # the kernel can drop), whatever process of the tree holds it.
-        before = _meminfo().get("MemAvailable", 0)
+        before = _kb_fields("/proc/meminfo").get("MemAvailable", 0)
         low = [before]
 
         def watch():
@@ -225,12 +212,12 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
                     kids, kids_rss = _children(proc)
                     used = _gpu_used()
                     gpu_peak[0] = max(gpu_peak[0], used)
-                    info = _meminfo()
+                    info = _kb_fields("/proc/meminfo")
                     if info.get("MemAvailable"):
                         low[0] = min(low[0], info["MemAvailable"])
-                    events.append((now, f"rss {rss / GIB:.2f} GiB, {kids} children "
+                    events.append((now, f"rss {rss / GIB:.2f} GiB, {len(kids)} children "
                                         f"{kids_rss / GIB:.2f} GiB, GPU used {used / GIB:.2f} GiB; "
-                                        f"{_kinds(proc)}; node MemAvailable "
+                                        f"{_kinds(proc, kids)}; node MemAvailable "
                                         f"{info.get('MemAvailable', 0) / GIB:.2f} Shmem "
                                         f"{info.get('Shmem', 0) / GIB:.2f} GiB"))
                     last = now
@@ -247,7 +234,7 @@ def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None
                 gpu_at_plan[0] = _gpu_used()
             lines.append(line)
             events.append((time.time() - start, line.rstrip()[:300]))
-            if " iteration        1/" in line or line.lstrip().startswith("iteration 1/"):
+            if " iteration        1/" in line:  # the log line's %8d
                 # Where the main process's memory is, once the first iteration is done.
                 for size, where in _largest_mappings(child.pid):
                     events.append((time.time() - start, f"  mapping {size:7.2f} GiB {where}"))
