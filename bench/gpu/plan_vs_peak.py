@@ -178,14 +178,18 @@ def _gpu_used() -> int:
 
 
 def run_case(name: str, args: list, iters: int, timeout: float, env: dict = None,
-             timeline: Path = None) -> dict:
+             timeline: Path = None, trace_pinned: Path = None) -> dict:
     """One fresh run of case ``name``; ``env`` added to its environment; ``timeline``: a
     file for its host resident set every 0.5 s and its output lines, each with the seconds
-    since the start (where the host grows, phase by phase)."""
+    since the start (where the host grows, phase by phase); ``trace_pinned``: a file for
+    its pinned host allocations by stack (the run goes through ``pinned_trace.py``)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *args, "--train-iters",
                str(iters), "--metrics-path", str(metrics)]
+        if trace_pinned is not None:
+            cmd.insert(1, str(HERE / "pinned_trace.py"))
+            env = {**(env or {}), "PINNED_TRACE_OUT": str(trace_pinned)}
         start = time.time()
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True,
@@ -319,13 +323,17 @@ def main() -> None:
                         help="added to every case's environment (repeatable)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="a file for each case's host timeline and output lines")
+    parser.add_argument("--trace-pinned", type=Path, default=None, metavar="DIR",
+                        help="each case's pinned host allocations by stack, to "
+                             "DIR/pinned-CASE.txt (bench/gpu/pinned_trace.py)")
     a = parser.parse_args()
     env = dict(item.split("=", 1) for item in a.env)
     rows = []
     for name in a.cases.split(","):
         if name not in CASES:
             sys.exit(f"error: unknown case {name!r}; the cases: {', '.join(CASES)}")
-        row = run_case(name, CASES[name], a.iters, a.timeout, env, a.timeline)
+        trace = None if a.trace_pinned is None else a.trace_pinned / f"pinned-{name}.txt"
+        row = run_case(name, CASES[name], a.iters, a.timeout, env, a.timeline, trace)
         rows.append(row)
         with open(a.output, "a") as f:
             f.write(json.dumps(row) + "\n")
