@@ -42,27 +42,6 @@ def cuda_allocator_default(environ=os.environ) -> str:
     return ALLOCATOR_DEFAULT
 
 
-COMPILE_THREADS_DEFAULT = "1"
-"""torch.compile's compile workers when the job sets none (TORCHINDUCTOR_COMPILE_THREADS
-unset): compiled in the process. megatron-core compiles a few fusions; torch's default, a
-worker process per core, took 7.76 GB of host memory in 16 workers on Llama-3-8B offload on
-an H100, and the first iteration was no faster (83.6 s; 76.9 s compiled in the process,
-bench/results/2026-12-07f-h100-pinned-and-compile-workers)."""
-
-
-def compile_threads_default(environ=os.environ) -> str:
-    """Sets :data:`COMPILE_THREADS_DEFAULT` when the job sets no compile threads; returns
-    the setting in force ('' when the job's own)."""
-    if environ.get("TORCHINDUCTOR_COMPILE_THREADS") is not None:
-        return ""
-    environ["TORCHINDUCTOR_COMPILE_THREADS"] = COMPILE_THREADS_DEFAULT
-    config = sys.modules.get("torch._inductor.config")
-    if environ is os.environ and config is not None:
-        # Read when torch._inductor.config is imported: tell an imported one.
-        config.compile_threads = int(COMPILE_THREADS_DEFAULT)
-    return COMPILE_THREADS_DEFAULT
-
-
 @dataclasses.dataclass
 class Runtime:
     """Where this process runs and its place in the parallel layout."""
@@ -170,7 +149,6 @@ def initialize(cfg) -> Runtime:
                              "GPUs this project runs megatron-core's collectives on nccl; use "
                              "nccl (gloo is what --device cpu uses)")
         cuda_allocator_default()
-        compile_threads_default()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         backend = "nccl"

@@ -27,26 +27,6 @@ def _empty_cache(runtime) -> None:
         torch.cuda.empty_cache()
 
 
-def release_cached_pinned(runtime) -> bool:
-    """Returns the pinned host blocks torch's caching host allocator keeps unused to CUDA.
-
-    torch.compile's autotuning of a kernel that writes its inputs keeps a pinned host copy of
-    them while it tries each config: on Llama-3-8B (the cross-entropy fusion over 8192 x
-    128256 logits) 8.6 GB in the first forward, which the allocator then keeps for the
-    process's life (bench/results/2026-12-07f-h100-pinned-and-compile-workers). Called
-    once, after the first forward and backward, before the optimizer step's first use of
-    the host. False where this torch has no such call (or on the CPU).
-    """
-    if runtime.is_cpu:
-        return False
-    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
-        release = getattr(torch._C, name, None)
-        if release is not None:
-            release()
-            return True
-    return False
-
-
 def _to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -82,10 +62,6 @@ class Steps:
     ``timers``, ``valid_ds``, ``num_microbatches``, ``eval_microbatches`` and
     ``_sync_stream_only``.
     """
-
-    _pinned_released = False
-    """Whether this process's cached pinned blocks went back after its first forward and
-    backward (:func:`release_cached_pinned`)."""
 
     def _wire_megatron_hooks(self, finalize_model_grads) -> None:
         """The callbacks megatron-core's schedules expect on the model config."""
@@ -170,9 +146,6 @@ class Steps:
             )
             self._synchronize()
         t_fb = watch.lap()
-        if not self._pinned_released:
-            self._pinned_released = True
-            release_cached_pinned(self.runtime)
         if cfg.training.empty_unused_memory_level >= 1:
             _empty_cache(self.runtime)
         step_sum = _sum_reports(losses, self.runtime.device)

@@ -1,7 +1,6 @@
 """megatron_ext.runtime.distributed: the CUDA allocator's default settings."""
 
-from megatron_ext.runtime.distributed import (ALLOCATOR_DEFAULT, COMPILE_THREADS_DEFAULT,
-                                             compile_threads_default, cuda_allocator_default)
+from megatron_ext.runtime.distributed import ALLOCATOR_DEFAULT, cuda_allocator_default
 
 
 def test_allocator_default_when_the_job_sets_none():
@@ -18,12 +17,3 @@ def test_the_jobs_own_allocator_settings_are_kept():
     env = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # set empty: torch's defaults, on purpose
     assert cuda_allocator_default(env) == ""
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": ""}
-
-
-def test_compile_threads_default_when_the_job_sets_none():
-    env = {}
-    assert compile_threads_default(env) == COMPILE_THREADS_DEFAULT == "1"
-    assert env == {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "8"}  # the job's own: kept
-    assert compile_threads_default(env) == ""
-    assert env == {"TORCHINDUCTOR_COMPILE_THREADS": "8"}
