@@ -4,8 +4,8 @@
 Where the pinned host memory of a GPU run comes from (issue 37: ~8 GB of torch's caching
 host allocator appeared in Llama-3-8B's first forward, outside the memory plan): the Python
 entry points that pin (``Tensor.pin_memory``, ``torch.empty``/``zeros``/... with
-``pin_memory=True``, and ``Tensor.to``/``Tensor.cpu`` that return a pinned CPU tensor,
-as a non-blocking device-to-host ``to`` does) are wrapped; each pinned result of at least
+``pin_memory=True``, and ``Tensor.to``, whose non-blocking device-to-host copy returns a
+pinned CPU tensor) are wrapped; each pinned result of at least
 ``PINNED_TRACE_MIN_MB`` MB (default 16) is counted by the stack that made it. Every 2 s
 and at exit, ``torch.cuda.host_memory_stats()`` (the caching host allocator's own count:
 what C++ callers pin too) and the stacks so far are written to ``PINNED_TRACE_OUT``
@@ -111,7 +111,6 @@ def main() -> None:
     _wrap(torch.Tensor, "pin_memory", lambda a, k: True)
     _wrap(torch.Tensor, "to", lambda a, k: bool(k.get("non_blocking"))
           or any(x is True for x in a[1:]))
-    _wrap(torch.Tensor, "cpu", lambda a, k: True)
     threading.Thread(target=_watch, daemon=True).start()
     atexit.register(_write)
     script = sys.argv[1]
